@@ -1,0 +1,1 @@
+"""metaseq-reshard: OPT-style LM, FSDP training and checkpoint resharding."""
