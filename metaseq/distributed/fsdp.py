@@ -1,0 +1,73 @@
+"""Process-group start-up and fairscale FSDP wrapping for the LM."""
+from __future__ import annotations
+
+import os
+import socket
+import warnings
+
+import torch
+import torch.distributed as dist
+from fairscale.nn.data_parallel import FullyShardedDataParallel as FSDP
+from fairscale.nn.data_parallel.fully_sharded_data_parallel import get_fsdp_instances
+from torch import nn
+
+from metaseq.distributed.cpu_compat import patch_fsdp_for_cpu
+
+__all__ = [
+    "free_port_init_method",
+    "fsdp_instances",
+    "init_distributed",
+    "lazy_init_all",
+    "wrap_model_fsdp",
+]
+
+
+def free_port_init_method() -> str:
+    """A `tcp://` rendezvous on a port the OS just handed out (never a fixed one)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+def init_distributed(rank: int, world_size: int, init_method: str) -> torch.device:
+    """Join the process group: NCCL with one GPU per rank when CUDA exists, else gloo."""
+    # fairscale 0.4.13 uses torch's private *_base collectives; the notice is not ours to act on.
+    warnings.filterwarnings("ignore", message=r".*torch\.distributed\._(all_gather|reduce_scatter)_base", category=FutureWarning)
+    if torch.cuda.is_available():
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        torch.set_num_threads(int(os.environ.get("METASEQ_NUM_THREADS", "1")))
+        patch_fsdp_for_cpu()
+        device = torch.device("cpu")
+        backend = "gloo"
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+    return device
+
+
+def wrap_model_fsdp(model: nn.Module, device: torch.device) -> FSDP:
+    """Each decoder layer is its own FSDP instance inside a root instance (flat params)."""
+    on_cpu = device.type == "cpu"
+    kwargs = dict(
+        flatten_parameters=True,
+        compute_device=device,
+        # gloo checks reduce-scatter shapes, which bucketing violates.
+        bucket_cap_mb=0 if on_cpu else 25,
+    )
+    model = model.to(device)
+    layers = model.decoder.layers
+    for k in range(len(layers)):
+        layers[k] = FSDP(layers[k], **kwargs)
+    return FSDP(model, **kwargs)
+
+
+def fsdp_instances(model: nn.Module) -> list[FSDP]:
+    """Root first, then nested instances in module order (the metadata order)."""
+    return get_fsdp_instances(model)
+
+
+def lazy_init_all(model: FSDP) -> None:
+    """Run every instance's lazy init; `load_local_state_dict` needs it first."""
+    for instance in fsdp_instances(model):  # root first, so children know they are not root
+        instance._lazy_init()
