@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import warnings
 
 import torch
@@ -14,19 +13,11 @@ from torch import nn
 from metaseq.distributed.cpu_compat import patch_fsdp_for_cpu
 
 __all__ = [
-    "free_port_init_method",
     "fsdp_instances",
     "init_distributed",
     "lazy_init_all",
     "wrap_model_fsdp",
 ]
-
-
-def free_port_init_method() -> str:
-    """A `tcp://` rendezvous on a port the OS just handed out (never a fixed one)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
 def init_distributed(rank: int, world_size: int, init_method: str) -> torch.device:

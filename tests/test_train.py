@@ -1,0 +1,129 @@
+"""Foundation: real fairscale FSDP training on CPU/gloo writes FORMAT.md shards."""
+import math
+
+import pytest
+import torch
+
+from conftest import TRAIN_UPDATES
+from metaseq.file_io import load_checkpoint
+from training import losses, run_train
+
+TOP_LEVEL_KEYS = {"model", "shard_metadata", "last_optimizer_state", "optimizer_history", "extra_state", "cfg"}
+FLAT_KEYS = {"flat_param_0", "decoder.layers.0.flat_param_0", "decoder.layers.1.flat_param_0"}
+
+
+def _shards(save_dir, w, prefix="checkpoint_last"):
+    return [load_checkpoint(save_dir / f"{prefix}-model_part-0-shard{r}.pt") for r in range(w)]
+
+
+@pytest.mark.parametrize("w", [1, 2, 4])
+def test_shards_have_format_keys_and_fairscale_metadata(trained, w):
+    save_dir, _ = trained[w]
+    for rank, ckpt in enumerate(_shards(save_dir, w)):
+        assert set(ckpt) == TOP_LEVEL_KEYS
+        assert set(ckpt["model"]) == FLAT_KEYS | {"decoder.version"}
+        meta = ckpt["shard_metadata"]
+        assert [m["fsdp_path"] for m in meta["param_metadata"]] == ["", "decoder.layers.0", "decoder.layers.1"]
+        assert meta["buffer_names"] == ["decoder.version"]
+        root = meta["param_metadata"][0]
+        assert root["shared_param_info"] == [("decoder.embed_tokens.weight", "decoder.output_projection.weight")]
+        for inst in meta["param_metadata"]:
+            p = inst["params"]["flat_param_0"]
+            key = f"{inst['fsdp_path']}.flat_param_0".lstrip(".")
+            flat = ckpt["model"][key]
+            assert flat.dim() == 1
+            # Every rank holds ceil(N / W) elements; the padding is what this rank lacks.
+            assert flat.numel() == math.ceil(sum(p["numels"]) / w)
+            assert p["numels"] == [s.numel() for s in p["shapes"]]
+            assert flat.numel() * rank + flat.numel() - p["padding"] <= sum(p["numels"])
+        assert ckpt["cfg"]["distributed_training"]["distributed_world_size"] == w
+        assert ckpt["cfg"]["distributed_training"]["distributed_rank"] == rank
+        assert ckpt["optimizer_history"][-1]["num_updates"] == TRAIN_UPDATES
+        assert ckpt["extra_state"]["train_iterator"] == {"samples_seen": 8 * TRAIN_UPDATES}
+
+
+@pytest.mark.parametrize("w", [1, 2, 4])
+def test_optimizer_state_is_sharded_like_flat_params(trained, w):
+    save_dir, _ = trained[w]
+    for ckpt in _shards(save_dir, w):
+        osd = ckpt["last_optimizer_state"]
+        flats = [ckpt["model"][k] for k in ("flat_param_0", "decoder.layers.0.flat_param_0", "decoder.layers.1.flat_param_0")]
+        assert osd["param_groups"][0]["params"] == [0, 1, 2]
+        for k, flat in enumerate(flats):
+            assert osd["state"][k]["exp_avg"].shape == flat.shape
+            assert osd["state"][k]["exp_avg_sq"].shape == flat.shape
+            assert int(osd["state"][k]["step"]) == TRAIN_UPDATES
+
+
+def test_four_ranks_pad_some_flat_param(trained):
+    save_dir, _ = trained[4]
+    paddings = [
+        inst["params"]["flat_param_0"]["padding"]
+        for ckpt in _shards(save_dir, 4)
+        for inst in ckpt["shard_metadata"]["param_metadata"]
+    ]
+    assert max(paddings) > 0
+
+
+def test_single_rank_is_unpadded_full_flat_param(trained):
+    save_dir, _ = trained[1]
+    (ckpt,) = _shards(save_dir, 1)
+    for inst in ckpt["shard_metadata"]["param_metadata"]:
+        p = inst["params"]["flat_param_0"]
+        assert p["padding"] == 0
+
+
+def test_loss_is_independent_of_world_size(trained):
+    base = trained[1][1]
+    assert sorted(base) == list(range(1, TRAIN_UPDATES + 1))
+    for w in (2, 4):
+        for update, loss in trained[w][1].items():
+            assert abs(loss - base[update]) < 1e-5, (w, update, loss, base[update])
+    assert base[TRAIN_UPDATES] < base[1]  # it does learn
+
+
+def test_resume_continues_exactly_like_uninterrupted_run(trained, tmp_path):
+    save_dir, uninterrupted = trained[2]
+    proc = run_train(
+        tmp_path, world_size=2, max_update=TRAIN_UPDATES,
+        extra=["--restore-file", str(save_dir / "checkpoint_4.pt")],
+    )
+    resumed = losses(proc)
+    assert sorted(resumed) == [5, 6]
+    for update in (5, 6):
+        assert abs(resumed[update] - uninterrupted[update]) < 1e-5
+    # And the weights end up the same.
+    a, b = _shards(save_dir, 2), _shards(tmp_path, 2)
+    for x, y in zip(a, b):
+        for key in FLAT_KEYS:
+            torch.testing.assert_close(x["model"][key], y["model"][key], rtol=0, atol=1e-6)
+
+
+def test_resume_with_other_world_size_names_reshard_tool(trained, tmp_path):
+    save_dir, _ = trained[2]
+    proc = run_train(
+        tmp_path, world_size=4, max_update=TRAIN_UPDATES,
+        extra=["--restore-file", str(save_dir / "checkpoint_last.pt")], check=False,
+    )
+    assert proc.returncode != 0
+    err = proc.stderr.strip().splitlines()
+    assert len(err) == 1
+    assert "found 2 shard files but --world-size=4" in err[0]
+    assert "python -m metaseq.scripts.reshard_fsdp" in err[0]
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "flags, culprit",
+    [
+        (["--batch-size", "6"], "--batch-size=6 is not divisible by --world-size=4"),
+        (["--seq-len", "500"], "--seq-len=500 exceeds --max-target-positions"),
+        (["--decoder-attention-heads", "4"], "--decoder-embed-dim=30 is not divisible"),
+    ],
+)
+def test_bad_training_flags_give_one_line_error(tmp_path, flags, culprit):
+    proc = run_train(tmp_path, world_size=4, max_update=1, extra=flags, check=False)
+    assert proc.returncode == 2
+    assert culprit in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not list(tmp_path.glob("*.pt"))
