@@ -18,7 +18,8 @@ from metaseq.file_io import atomic_torch_save, natural_sort_key, shard_file_name
 __all__ = [
     "RestoreError",
     "build_training_checkpoint",
-    "find_restore_shards",
+    "find_restore_files",
+    "is_consolidated_file",
     "restore_prefix",
     "save_training_checkpoint",
 ]
@@ -76,8 +77,19 @@ def restore_prefix(restore_file: str) -> str:
     return re.sub(r"-model_part-\d+-shard\d+$", "", prefix)
 
 
-def find_restore_shards(restore_file: str, world_size: int) -> list[str]:
-    """The shard files behind `--restore-file`, checked against the world size."""
+def is_consolidated_file(restore_file: str) -> bool:
+    """A single consolidated file (e.g. `reshard-model_part-0.pt`) rather than a shard stem."""
+    return os.path.isfile(restore_file) and not re.search(r"-shard\d+\.pt$", restore_file)
+
+
+def find_restore_files(restore_file: str, world_size: int) -> list[str]:
+    """The file each rank loads for `--restore-file`, checked against the world size.
+
+    A consolidated file is loaded by every rank; a stem (`DIR/checkpoint_last.pt`)
+    names one shard file per rank, and their number must equal the world size.
+    """
+    if is_consolidated_file(restore_file):
+        return [restore_file] * world_size
     prefix = restore_prefix(restore_file)
     pattern = f"{glob.escape(prefix)}-model_part-0-shard*.pt"
     files = sorted(glob.glob(pattern), key=natural_sort_key)

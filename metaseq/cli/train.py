@@ -12,6 +12,7 @@ world size: an update's global batch is the same sequences for any W.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import logging
@@ -77,7 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=d.seq_len)
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--restore-file", default=None, help="e.g. DIR/checkpoint_last.pt (its shards are loaded)")
+    p.add_argument(
+        "--restore-file",
+        default=None,
+        help="DIR/checkpoint_last.pt (loads its W shard files) or a consolidated file such as reshard-model_part-0.pt",
+    )
     p.add_argument("--log-format", choices=["json", "simple"], default=d.log_format)
     p.add_argument("--decoder-layers", type=int, default=m.decoder_layers)
     p.add_argument("--decoder-embed-dim", type=int, default=m.decoder_embed_dim)
@@ -116,7 +121,7 @@ def validate_config(cfg: TrainConfig) -> None:
         raise ValueError(f"--data {cfg.data}: no such file")
     cfg.model.validate()
     if cfg.restore_file:
-        checkpoint_utils.find_restore_shards(cfg.restore_file, cfg.world_size)
+        checkpoint_utils.find_restore_files(cfg.restore_file, cfg.world_size)
 
 
 def checkpoint_cfg(cfg: TrainConfig, model_cfg: ModelConfig, rank: int) -> dict[str, Any]:
@@ -139,18 +144,29 @@ def restore(cfg: TrainConfig, rank: int) -> tuple[dict[str, Any] | None, ModelCo
     """This rank's restore checkpoint (or None) and the model config to build."""
     if not cfg.restore_file:
         return None, cfg.model
-    path = checkpoint_utils.find_restore_shards(cfg.restore_file, cfg.world_size)[rank]
+    path = checkpoint_utils.find_restore_files(cfg.restore_file, cfg.world_size)[rank]
     ckpt = load_checkpoint(path)
     return ckpt, ModelConfig.from_dict(ckpt["cfg"]["model"])
 
 
 def load_restored_state(model: Any, optimizer: torch.optim.Optimizer, ckpt: dict[str, Any]) -> TrainState:
+    """Load shards (flat, this rank's) or a consolidated checkpoint (unflattened, any W)."""
     lazy_init_all(model)
-    model.load_local_state_dict(ckpt["model"])
-    optimizer.load_state_dict(ckpt["last_optimizer_state"])
-    extra = ckpt["extra_state"]
+    osd = ckpt.get("last_optimizer_state")
+    if any(key.endswith("flat_param_0") for key in ckpt["model"]):
+        model.load_local_state_dict(ckpt["model"])
+    else:
+        model.load_state_dict(ckpt["model"])
+        if osd is not None:
+            # fairscale's consolidated optimizer layout -> this rank's flat shard.
+            osd = model.get_shard_from_optim_state_dict(copy.deepcopy(osd))
+    if osd is None:
+        logger.warning("the restored checkpoint has no optimizer state; Adam starts from scratch")
+    else:
+        optimizer.load_state_dict(osd)
+    extra = ckpt.get("extra_state") or {}
     return TrainState(
-        num_updates=ckpt["optimizer_history"][-1]["num_updates"],
+        num_updates=(ckpt.get("optimizer_history") or [{}])[-1].get("num_updates", 0),
         samples_seen=(extra.get("train_iterator") or {}).get("samples_seen", 0),
         training_time=extra.get("previous_training_time", 0.0),
     )
