@@ -1,0 +1,267 @@
+"""File-level resharding: find the input shards, plan, then write one output shard at a time.
+
+Memory: planning loads each input with mmap and keeps only a skeleton (tensors on
+the meta device), so no tensor data is read. Writing builds one output shard at a
+time, re-opening (mmap) only the inputs it needs, one after the other, and
+releasing them; peak memory is about one output shard plus the pages being copied.
+"""
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from metaseq.file_io import atomic_torch_save, load_checkpoint, natural_sort_key
+from metaseq.reshard.build import (
+    ReshardOptions,
+    ReshardSource,
+    analyze_shards,
+    build_output_shard,
+    make_options,
+    plan_targets,
+)
+from metaseq.reshard.schema import ReshardError
+
+__all__ = [
+    "ReshardPlan",
+    "describe_reshard_plan",
+    "find_input_shards",
+    "output_shard_paths",
+    "plan_reshard_fsdp",
+    "reshard_fsdp_checkpoints",
+    "write_reshard_outputs",
+]
+
+logger = logging.getLogger(__name__)
+
+_SHARD_RE = re.compile(r"shard(\d+)")
+_PART_RE = re.compile(r"model_part-(\d+)")
+
+
+@dataclass(frozen=True)
+class ReshardPlan:
+    inputs: tuple[str, ...]  # ordered by shard index
+    outputs: tuple[str, ...]
+    source: ReshardSource
+    options: ReshardOptions
+    trust_checkpoint: bool
+
+
+def _last_int(pattern: re.Pattern, path: str) -> int | None:
+    found = pattern.findall(os.path.basename(path))
+    return int(found[-1]) if found else None
+
+
+def find_input_shards(input_glob_pattern: str) -> list[str]:
+    """Files matching the pattern, ordered by shard index; they must be shards 0..N-1 of one model part."""
+    paths = sorted(glob.glob(input_glob_pattern), key=natural_sort_key)
+    paths = [p for p in paths if os.path.isfile(p)]
+    if not paths:
+        raise ReshardError(f"--input-glob-pattern {input_glob_pattern!r} matches no files")
+    parts = {_last_int(_PART_RE, p) for p in paths}
+    if len(parts) > 1:
+        raise ReshardError(
+            f"inputs mix model parts {sorted(parts, key=str)} ({_few(paths)}); reshard one model part "
+            "at a time, e.g. --input-glob-pattern '...-model_part-0-shard*.pt'"
+        )
+    indices = [_last_int(_SHARD_RE, p) for p in paths]
+    if len(paths) == 1 and indices[0] is None:
+        return paths  # a single (consolidated) file
+    if None in indices:
+        raise ReshardError(f"{paths[indices.index(None)]}: no shard index ('shardK') in its name; cannot order the inputs")
+    _check_indices(paths, indices)
+    return [p for _, p in sorted(zip(indices, paths))]
+
+
+def _check_indices(paths: Sequence[str], indices: Sequence[int]) -> None:
+    seen: dict[int, str] = {}
+    for path, idx in zip(paths, indices):
+        if idx in seen:
+            raise ReshardError(f"shard index {idx} appears twice: {seen[idx]} and {path}")
+        seen[idx] = path
+    missing = sorted(set(range(len(paths))) - set(seen))
+    if missing:
+        raise ReshardError(
+            f"shard{missing[0]} is missing: found {len(paths)} shard files ({_few(list(paths))}) "
+            f"but shard indices must be exactly 0..{len(paths) - 1}; check --input-glob-pattern"
+        )
+
+
+def _few(paths: Sequence[str], limit: int = 3) -> str:
+    shown = ", ".join(paths[:limit])
+    return shown + (f", ... ({len(paths)} files)" if len(paths) > limit else "")
+
+
+def output_shard_paths(
+    output_shard_name: str, num_output_shards: int, inputs: Sequence[str], *, overwrite: bool
+) -> list[str]:
+    """`{i}` in the name becomes the output shard index; refuse clobbering inputs or (without overwrite) files."""
+    if num_output_shards > 1 and "{i}" not in output_shard_name:
+        raise ReshardError(
+            f"--num-output-shards={num_output_shards} but --output-shard-name {output_shard_name!r} has no "
+            "'{i}'; add it where the shard index goes, e.g. 'out/reshard-model_part-0-shard{i}.pt'"
+        )
+    outputs = [output_shard_name.replace("{i}", str(i)) for i in range(num_output_shards)]
+    real_inputs = {os.path.realpath(p) for p in inputs}
+    for path in outputs:
+        if os.path.realpath(path) in real_inputs:
+            raise ReshardError(f"--output-shard-name: {path} is also an input; write to another name")
+        if os.path.isdir(path):
+            raise ReshardError(f"--output-shard-name: {path} is a directory; give a file name")
+    existing = [p for p in outputs if os.path.exists(p)]
+    if existing and not overwrite:
+        raise ReshardError(f"{_few(existing)} already exist(s); pass --overwrite to replace")
+    return outputs
+
+
+def _skeleton(obj: Any) -> Any:
+    """Tensors -> meta tensors (shape and dtype only), 0-dim tensors kept; containers rebuilt."""
+    if torch.is_tensor(obj):
+        return obj.clone() if obj.dim() == 0 else torch.empty(obj.shape, dtype=obj.dtype, device="meta")
+    if isinstance(obj, Mapping):
+        return {k: _skeleton(v) for k, v in obj.items()}
+    if type(obj) in (list, tuple):
+        return type(obj)(_skeleton(v) for v in obj)
+    return obj
+
+
+def _load_skeleton(path: str, trust: bool) -> dict[str, Any]:
+    return _skeleton(load_checkpoint(path, mmap=True, trust=trust))
+
+
+def plan_reshard_fsdp(
+    input_glob_pattern: str,
+    output_shard_name: str,
+    *,
+    num_output_shards: int = 1,
+    unflatten_weights: bool = False,
+    skip_optimizer_state: bool = False,
+    output_dtype: str | None = None,
+    drop_metaseq_req: bool = False,
+    overwrite: bool = False,
+    trust_checkpoint: bool = False,
+) -> ReshardPlan:
+    """Find and validate everything (names, metadata, lengths, optimizer state) without writing."""
+    options = make_options(
+        num_output_shards=num_output_shards,
+        unflatten=unflatten_weights,
+        skip_optimizer_state=skip_optimizer_state,
+        output_dtype=output_dtype,
+        drop_metaseq_req=drop_metaseq_req,
+    )
+    inputs = find_input_shards(input_glob_pattern)
+    logger.info("found %d input shard(s) matching %r", len(inputs), input_glob_pattern)
+    outputs = output_shard_paths(output_shard_name, num_output_shards, inputs, overwrite=overwrite)
+    skeletons = [_load_skeleton(p, trust_checkpoint) for p in inputs]
+    source = analyze_shards(skeletons, inputs, options)
+    return ReshardPlan(tuple(inputs), tuple(outputs), source, options, trust_checkpoint)
+
+
+def write_reshard_outputs(plan: ReshardPlan) -> list[str]:
+    """Write every output shard atomically; on any failure remove the ones this call wrote."""
+    def fetch(rank: int) -> dict[str, Any]:
+        return load_checkpoint(plan.inputs[rank], mmap=True, trust=plan.trust_checkpoint)
+
+    logger.info("resharding %s", _summary(plan))
+    written: list[str] = []
+    try:
+        for rank, path in enumerate(plan.outputs):
+            shard = build_output_shard(plan.source, plan.options, rank, fetch)
+            try:
+                atomic_torch_save(shard, path)
+            except OSError as e:
+                raise ReshardError(f"{path}: cannot write ({e.strerror or e})") from e
+            del shard
+            written.append(path)
+            logger.info("wrote %s (%d bytes)", path, os.path.getsize(path))
+    except BaseException:
+        for path in written:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        raise
+    return written
+
+
+def _summary(plan: ReshardPlan) -> str:
+    opts = plan.options
+    form = "unflattened" if opts.unflatten else "flat"
+    src = "1 unflattened input" if plan.source.model.unflattened else f"{len(plan.inputs)} shard(s)"
+    optim = "dropped" if opts.skip_optimizer_state else ("kept" if plan.source.optim else "none")
+    dtype = str(opts.output_dtype).replace("torch.", "") if opts.output_dtype else "unchanged"
+    return f"{src} -> {opts.num_output_shards} {form} shard(s); optimizer state {optim}; dtype {dtype}"
+
+
+def describe_reshard_plan(plan: ReshardPlan) -> list[str]:
+    """Human-readable plan: inputs, N -> M, per output its tensor bytes and the input ranges it reads."""
+    lines = [f"inputs ({len(plan.inputs)}):"] + [f"  {path}" for path in plan.inputs]
+    lines.append(f"plan: {_summary(plan)}")
+    for rank, path in enumerate(plan.outputs):
+        targets = plan_targets(plan.source, plan.options, rank)
+        nbytes = sum(t.nbytes for t in targets)
+        lines.append(f"output {rank}: {path} ({nbytes} bytes of tensors)")
+        lines += [f"  reads {plan.inputs[r]}: {text}" for r, text in _reads(targets).items()]
+    return lines
+
+
+def _reads(targets: Sequence[Any], limit: int = 4) -> dict[int, str]:
+    """Per input rank: the model tensors and [start, end) element ranges read from them."""
+    spans: dict[int, dict[str, list[int]]] = {}
+    for t in targets:
+        for p in t.pieces:
+            if p.path[0] != "model":
+                continue
+            span = spans.setdefault(p.rank, {}).setdefault(p.path[-1], [p.src_start, p.src_start + p.length])
+            span[0], span[1] = min(span[0], p.src_start), max(span[1], p.src_start + p.length)
+    out = {}
+    for rank in sorted(spans):
+        items = [f"{key}[{lo}:{hi})" for key, (lo, hi) in spans[rank].items()]
+        more = f" (+{len(items) - limit} more)" if len(items) > limit else ""
+        out[rank] = ", ".join(items[:limit]) + more
+    return out
+
+
+def reshard_fsdp_checkpoints(
+    input_glob_pattern: str,
+    output_shard_name: str,
+    *,
+    num_output_shards: int = 1,
+    unflatten_weights: bool = False,
+    skip_optimizer_state: bool = False,
+    output_dtype: str | None = None,
+    drop_metaseq_req: bool = False,
+    overwrite: bool = False,
+    trust_checkpoint: bool = False,
+    dry_run: bool = False,
+) -> list[str]:
+    """Reshard the FSDP shards of one model part into `num_output_shards` files; returns their paths.
+
+    Example: 4 training shards -> one inference file with original parameter names:
+        reshard_fsdp_checkpoints("ckpts/checkpoint_last-model_part-0-shard*.pt",
+                                 "out/reshard-model_part-0.pt",
+                                 unflatten_weights=True, skip_optimizer_state=True)
+    With `dry_run`, the plan is logged and nothing is written (the paths are still returned).
+    Raises ReshardError (or CheckpointLoadError) before writing anything when inputs or options are wrong.
+    """
+    plan = plan_reshard_fsdp(
+        input_glob_pattern,
+        output_shard_name,
+        num_output_shards=num_output_shards,
+        unflatten_weights=unflatten_weights,
+        skip_optimizer_state=skip_optimizer_state,
+        output_dtype=output_dtype,
+        drop_metaseq_req=drop_metaseq_req,
+        overwrite=overwrite,
+        trust_checkpoint=trust_checkpoint,
+    )
+    if dry_run:
+        for line in describe_reshard_plan(plan):
+            logger.info("%s", line)
+        return list(plan.outputs)
+    return write_reshard_outputs(plan)

@@ -1,0 +1,325 @@
+"""Read and cross-check the model side of a set of FSDP shards (pure: no I/O).
+
+`analyze_model` turns the inputs' `shard_metadata` and `model` dicts into a
+`ModelLayout`: every flat parameter with its original names/shapes and the
+`Segment`s that hold its unpadded elements. Inputs are either N flat shards
+(`flat_param_*` keys, one per FSDP instance) or ONE unflattened file (original
+parameter names plus `shard_metadata`, as `--unflatten-weights` writes). Tensors
+may be real or on the meta device: only shapes and dtypes are read here.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping, Sequence
+
+import torch
+
+from metaseq.reshard.ranges import Segment
+from metaseq.reshard.schema import ReshardError, ShardMetadata, clean_key, join_key
+
+__all__ = [
+    "Extra",
+    "FlatParam",
+    "ModelLayout",
+    "analyze_model",
+    "global_params",
+    "output_metadata",
+]
+
+
+@dataclass(frozen=True)
+class FlatParam:
+    """One FSDP flat parameter; names are full (fsdp_path-prefixed), tied params once."""
+
+    key: str  # clean model key, e.g. "decoder.layers.0.flat_param_0"
+    instance: int  # index into param_metadata
+    backing_name: str  # key of its entry in that instance's "params"
+    names: tuple[str, ...]
+    shapes: tuple[torch.Size, ...]
+    numels: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return sum(self.numels)
+
+    def ranges(self) -> list[tuple[int, int]]:
+        """[start, end) of each original parameter inside the unpadded flat parameter."""
+        bounds, start = [], 0
+        for n in self.numels:
+            bounds.append((start, start + n))
+            start += n
+        return bounds
+
+
+@dataclass(frozen=True)
+class Extra:
+    """A model entry that is not a flat parameter (a buffer), copied from rank 0."""
+
+    key: str  # clean key
+    actual_key: str  # key in rank 0's model dict
+    shape: torch.Size | None  # None: not a tensor, carried as it is
+    dtype: torch.dtype | None
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    labels: tuple[str, ...]  # one per input, for messages
+    unflattened: bool
+    flat_params: tuple[FlatParam, ...]
+    padded_lengths: tuple[tuple[int, ...], ...]  # [k][r]: flat tensor length on input r
+    kept_lengths: tuple[tuple[int, ...], ...]  # [k][r]: the same without padding
+    sources: tuple[tuple[Segment, ...], ...]  # [k]: unpadded elements, in order
+    dtypes: tuple[torch.dtype, ...]  # [k]
+    extras: tuple[Extra, ...]
+    ties: tuple[tuple[str, str], ...]  # (src, dst) full names
+    metadata: ShardMetadata  # rank 0's, template for the outputs
+
+
+def global_params(layout: ModelLayout) -> Iterator[tuple[int, int, int]]:
+    """(global id, flat param index k, index j in its names): fairscale's unflattened ids."""
+    g = 0
+    for k, fp in enumerate(layout.flat_params):
+        for j in range(len(fp.names)):
+            yield g, k, j
+            g += 1
+
+
+def analyze_model(shards: Sequence[Mapping[str, Any]], labels: Sequence[str]) -> ModelLayout:
+    """Validate the inputs against each other and locate every flat parameter's elements."""
+    metas = [_shard_metadata(s, label) for s, label in zip(shards, labels)]
+    flat_params = _parse_flat_params(metas[0], labels[0])
+    for meta, label in zip(metas[1:], labels[1:]):
+        _check_same_params(flat_params, _parse_flat_params(meta, label), labels[0], label)
+    ties = _parse_ties(metas[0], flat_params, labels[0])
+    key_maps = [_model_key_map(s, label) for s, label in zip(shards, labels)]
+    forms = [_is_unflattened(km, s["model"], flat_params, label) for km, s, label in zip(key_maps, shards, labels)]
+    if any(forms) and len(shards) > 1:
+        culprit = labels[forms.index(True)]
+        raise ReshardError(
+            f"{culprit}: looks unflattened (model keys are original parameter names) but was given "
+            f"with {len(shards) - 1} other input(s); pass a consolidated file alone"
+        )
+    if forms[0]:
+        lengths, sources, dtypes = _unflattened_sources(shards[0]["model"], key_maps[0], flat_params, labels[0])
+        padded = kept = lengths
+    else:
+        padded, kept, sources, dtypes = _flat_sources(shards, metas, key_maps, flat_params, labels)
+    taken = {fp.key for fp in flat_params}
+    if forms[0]:
+        taken = {n for fp in flat_params for n in fp.names} | {dst for _, dst in ties}
+    extras = _extras(shards[0]["model"], key_maps[0], taken)
+    return ModelLayout(
+        tuple(labels), forms[0], flat_params, padded, kept, sources, dtypes, extras, ties, metas[0]
+    )
+
+
+def output_metadata(layout: ModelLayout, paddings: Sequence[int]) -> ShardMetadata:
+    """Rank 0's shard_metadata with each flat parameter's padding replaced."""
+    meta = copy.deepcopy(layout.metadata)
+    for fp, pad in zip(layout.flat_params, paddings, strict=True):
+        meta["param_metadata"][fp.instance]["params"][fp.backing_name]["padding"] = pad
+    return meta
+
+
+def _shard_metadata(shard: Mapping[str, Any], label: str) -> ShardMetadata:
+    if not isinstance(shard, Mapping) or not isinstance(shard.get("model"), Mapping):
+        raise ReshardError(f"{label}: no 'model' dict; this is not a metaseq checkpoint")
+    meta = shard.get("shard_metadata")
+    if meta is None:
+        if any("flat_param_" in str(k) for k in shard["model"]):
+            hint = "it has flat_param_* keys but was saved without FSDP's local_metadata_dict()"
+        else:
+            hint = "its model keys are plain parameter names, so it looks consolidated already or not saved by FSDP"
+        raise ReshardError(f"{label}: no 'shard_metadata'; {hint}; only FSDP shards can be resharded")
+    if not isinstance(meta, Mapping) or not isinstance(meta.get("param_metadata"), list):
+        raise ReshardError(f"{label}: shard_metadata has no 'param_metadata' list; the file is not an FSDP shard")
+    return meta
+
+
+def _parse_flat_params(meta: ShardMetadata, label: str) -> tuple[FlatParam, ...]:
+    flat_params = []
+    try:
+        for idx, inst in enumerate(meta["param_metadata"]):
+            path = clean_key(inst.get("fsdp_path", ""))
+            if inst.get("no_broadcast_optim_state", False):
+                raise ReshardError(
+                    f"{label}: FSDP instance '{path or '<root>'}' has no_broadcast_optim_state=True "
+                    "(e.g. MoE experts, different on every rank); resharding it is not supported"
+                )
+            for backing, pm in inst["params"].items():
+                flat_params.append(_parse_param(idx, path, backing, pm, label))
+    except (KeyError, TypeError, AttributeError) as e:
+        raise ReshardError(f"{label}: malformed shard_metadata ({type(e).__name__}: {e})") from None
+    return tuple(flat_params)
+
+
+def _parse_param(idx: int, path: str, backing: str, pm: Mapping[str, Any], label: str) -> FlatParam:
+    names = tuple(join_key(path, clean_key(n)) for n in pm["names"])
+    shapes = tuple(torch.Size(s) for s in pm["shapes"])
+    numels = tuple(int(n) for n in pm["numels"])
+    key = join_key(path, clean_key(backing))
+    if not len(names) == len(shapes) == len(numels):
+        raise ReshardError(f"{label}: shard_metadata of '{key}' has {len(names)} names, {len(shapes)} shapes, {len(numels)} numels")
+    for name, shape, n in zip(names, shapes, numels):
+        if shape.numel() != n:
+            raise ReshardError(f"{label}: shard_metadata says '{name}' has shape {list(shape)} but numel {n}")
+    return FlatParam(key, idx, backing, names, shapes, numels)
+
+
+def _check_same_params(ref: Sequence[FlatParam], other: Sequence[FlatParam], ref_label: str, label: str) -> None:
+    if len(ref) != len(other):
+        raise ReshardError(
+            f"{label}: shard_metadata lists {len(other)} flat parameters but {ref_label} lists {len(ref)}; "
+            "the shards come from different models"
+        )
+    for a, b in zip(ref, other):
+        for field in ("key", "instance", "backing_name", "names", "shapes", "numels"):
+            mine, theirs = getattr(b, field), getattr(a, field)
+            if mine != theirs:
+                raise ReshardError(
+                    f"{label}: shard_metadata disagrees with {ref_label} on the {field} of flat parameter "
+                    f"'{a.key}' ({_short(mine)} vs {_short(theirs)}); the shards come from different models or runs"
+                )
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _parse_ties(meta: ShardMetadata, flat_params: Sequence[FlatParam], label: str) -> tuple[tuple[str, str], ...]:
+    """Tied (src, dst) from EVERY instance, made absolute with the instance's fsdp_path."""
+    names = {n for fp in flat_params for n in fp.names}
+    ties = []
+    for inst in meta["param_metadata"]:
+        path = clean_key(inst.get("fsdp_path", ""))
+        for src, dst in inst.get("shared_param_info") or []:
+            src_full = join_key(path, clean_key(src))
+            if src_full not in names and clean_key(src) in names:  # already absolute
+                src_full, dst_full = clean_key(src), clean_key(dst)
+            else:
+                dst_full = join_key(path, clean_key(dst))
+            if src_full not in names:
+                raise ReshardError(
+                    f"{label}: shared_param_info ties '{dst_full}' to '{src_full}', which no flat parameter holds"
+                )
+            ties.append((src_full, dst_full))
+    return tuple(ties)
+
+
+def _model_key_map(shard: Mapping[str, Any], label: str) -> dict[str, str]:
+    """clean key -> actual key, tolerating `_fsdp_wrapped_module.` / `_fpw_module.` segments."""
+    key_map: dict[str, str] = {}
+    for key in shard["model"]:
+        clean = clean_key(str(key))
+        if clean in key_map:
+            raise ReshardError(f"{label}: model keys '{key_map[clean]}' and '{key}' both mean '{clean}'")
+        key_map[clean] = key
+    return key_map
+
+
+def _is_unflattened(
+    key_map: Mapping[str, str], model: Mapping[str, Any], flat_params: Sequence[FlatParam], label: str
+) -> bool:
+    has_flat = all(fp.key in key_map for fp in flat_params)
+    has_names = all(n in key_map for fp in flat_params for n in fp.names)
+    if has_flat and has_names:
+        # Only when no parameter is really flattened (backing name == original name).
+        return not all(_dim(model[key_map[fp.key]]) == 1 for fp in flat_params)
+    if not has_flat and not has_names:
+        missing = next(fp for fp in flat_params if fp.key not in key_map)
+        name = next(n for n in missing.names if n not in key_map) if missing.names else "?"
+        raise ReshardError(
+            f"{label}: model has no '{missing.key}' (nor original parameter names such as '{name}'); "
+            "shard_metadata does not describe this model"
+        )
+    return has_names
+
+
+def _dim(value: Any) -> int:
+    return value.dim() if torch.is_tensor(value) else -1
+
+
+def _flat_sources(
+    shards: Sequence[Mapping[str, Any]],
+    metas: Sequence[ShardMetadata],
+    key_maps: Sequence[Mapping[str, str]],
+    flat_params: Sequence[FlatParam],
+    labels: Sequence[str],
+) -> tuple[tuple, tuple, tuple, tuple]:
+    """Per flat parameter: padded/kept lengths per input, segments, dtype; checked against metadata."""
+    padded, kept, sources, dtypes = [], [], [], []
+    for fp in flat_params:
+        lengths, keeps, segments = [], [], []
+        for r, (shard, meta, key_map, label) in enumerate(zip(shards, metas, key_maps, labels)):
+            actual = key_map[fp.key]
+            tensor = shard["model"][actual]
+            if _dim(tensor) != 1:
+                shape = list(tensor.shape) if torch.is_tensor(tensor) else type(tensor).__name__
+                raise ReshardError(f"{label}: model['{actual}'] should be a 1-D flat tensor, found {shape}")
+            pad = meta["param_metadata"][fp.instance]["params"][fp.backing_name]["padding"]
+            _check_padding(fp, tensor.numel(), pad, lengths[0] if lengths else None, label, labels[0])
+            lengths.append(tensor.numel())
+            keeps.append(tensor.numel() - pad)
+            segments.append(Segment(r, ("model", actual), tensor.numel() - pad))
+        _check_consumed(fp, sum(keeps))
+        padded.append(tuple(lengths))
+        kept.append(tuple(keeps))
+        sources.append(tuple(segments))
+        dtypes.append(shards[0]["model"][key_maps[0][fp.key]].dtype)
+    return tuple(padded), tuple(kept), tuple(sources), tuple(dtypes)
+
+
+def _check_padding(fp: FlatParam, length: int, pad: Any, ref_length: int | None, label: str, ref_label: str) -> None:
+    if not isinstance(pad, int) or not 0 <= pad <= length:
+        raise ReshardError(f"{label}: padding {pad!r} of '{fp.key}' is not between 0 and its {length} elements")
+    if ref_length is not None and length != ref_length:
+        raise ReshardError(
+            f"{label}: flat parameter '{fp.key}' has {length} elements but {ref_label} has {ref_length}; "
+            "every FSDP rank holds the same padded length"
+        )
+
+
+def _check_consumed(fp: FlatParam, total: int) -> None:
+    if total < fp.numel:
+        detail = f"consumed {total} of {fp.numel} elements"
+    elif total > fp.numel:
+        detail = f"{total - fp.numel} elements left over after consuming all {fp.numel}"
+    else:
+        return
+    raise ReshardError(
+        f"flat parameter '{fp.key}': the shards hold {total} elements after removing padding but "
+        f"shard_metadata numels add up to {fp.numel} ({detail}); are the shards complete and from one checkpoint?"
+    )
+
+
+def _unflattened_sources(
+    model: Mapping[str, Any], key_map: Mapping[str, str], flat_params: Sequence[FlatParam], label: str
+) -> tuple[tuple, tuple, tuple]:
+    lengths, sources, dtypes = [], [], []
+    for fp in flat_params:
+        segments = []
+        for name, shape in zip(fp.names, fp.shapes):
+            tensor = model[key_map[name]]
+            if not torch.is_tensor(tensor) or tensor.shape != shape:
+                found = list(tensor.shape) if torch.is_tensor(tensor) else type(tensor).__name__
+                raise ReshardError(f"{label}: model['{name}'] has shape {found} but shard_metadata says {list(shape)}")
+            segments.append(Segment(0, ("model", key_map[name]), shape.numel()))
+        lengths.append((fp.numel,))
+        sources.append(tuple(segments))
+        dtypes.append(model[key_map[fp.names[0]]].dtype if fp.names else torch.float32)
+    return tuple(lengths), tuple(sources), tuple(dtypes)
+
+
+def _extras(model: Mapping[str, Any], key_map: Mapping[str, str], taken: set[str]) -> tuple[Extra, ...]:
+    extras = []
+    for clean, actual in key_map.items():
+        if clean in taken:
+            continue
+        value = model[actual]
+        if torch.is_tensor(value):
+            extras.append(Extra(clean, actual, value.shape, value.dtype))
+        else:
+            extras.append(Extra(clean, actual, None, None))
+    return tuple(extras)

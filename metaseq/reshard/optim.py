@@ -1,0 +1,257 @@
+"""Optimizer state (`last_optimizer_state`) of FSDP shards: analysis and output assembly (pure).
+
+Two input layouts are understood:
+- flat (what every rank saves): `state[k]` belongs to the k-th flat parameter; each
+  1-D tensor there (Adam's moments) is padded exactly like that parameter on that rank;
+- consolidated (fairscale's `gather_full_optim_state_dict`): `state[g]` per ORIGINAL
+  parameter with its shape, plus `param_id_map` and `uncollected_local_ids`.
+Either is written as either: flat shards for any world size, or the consolidated
+layout that `FSDP.get_shard_from_optim_state_dict` loads at any world size.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from metaseq.reshard.layout import ModelLayout, global_params
+from metaseq.reshard.ranges import Segment, Target, plan_range, shard_range
+from metaseq.reshard.schema import ReshardError
+
+__all__ = [
+    "OptimLayout",
+    "StateEntry",
+    "analyze_optimizer",
+    "assemble_consolidated_optimizer",
+    "assemble_flat_optimizer",
+    "consolidated_optimizer_targets",
+    "flat_optimizer_targets",
+]
+
+OPTIM = "last_optimizer_state"
+LAYOUT_KEYS = ("state", "param_id_map", "uncollected_local_ids")
+
+
+def _is_scalar_tensor(value: Any) -> bool:
+    return torch.is_tensor(value) and value.dim() == 0
+
+
+def _copy_scalar(value: Any) -> Any:
+    return value.clone() if torch.is_tensor(value) else copy.deepcopy(value)
+
+
+@dataclass(frozen=True)
+class StateEntry:
+    """One named state of one flat parameter: a per-element tensor or a scalar."""
+
+    name: str
+    segments: tuple[Segment, ...] | None = None  # tensor state: unpadded elements, in order
+    dtype: torch.dtype | None = None
+    values: tuple[Any, ...] = ()  # scalar state: one value per input rank
+    gathered: bool = False  # values came as fairscale's per-rank list of 0-dim tensors
+
+    def flat_value(self, rank: int) -> Any:
+        """Scalar for one rank of a flat output: rank 0's, or a gathered list's entry like fairscale."""
+        if self.gathered and rank < len(self.values):
+            return _copy_scalar(self.values[rank])
+        return _copy_scalar(self.values[0])
+
+    def consolidated_value(self) -> Any:
+        """Scalar as `gather_full_optim_state_dict` writes it: `step` a number, 0-dim tensors per rank."""
+        first = self.values[0]
+        if self.name == "step" and _is_scalar_tensor(first):
+            return first.item()
+        if self.gathered or _is_scalar_tensor(first):
+            return [v.clone().squeeze() for v in self.values]
+        return _copy_scalar(first)
+
+
+@dataclass(frozen=True)
+class OptimLayout:
+    consolidated: bool  # the input is in fairscale's consolidated layout
+    entries: Mapping[int, tuple[StateEntry, ...]]  # flat param index -> its states, input order
+    num_param_groups: int
+
+
+def analyze_optimizer(shards: Sequence[Mapping[str, Any]], model: ModelLayout) -> OptimLayout | None:
+    """Check every input's optimizer state against the flat parameters; None when there is none."""
+    osds = [s.get(OPTIM) for s in shards]
+    if osds[0] is None:
+        return None
+    for osd, label in zip(osds, model.labels):
+        if not isinstance(osd, Mapping) or not {"state", "param_groups"} <= set(osd):
+            raise ReshardError(
+                f"{label}: {OPTIM} has no 'state' and 'param_groups' (not a torch optimizer state_dict); "
+                "pass --skip-optimizer-state to drop it"
+            )
+    num_groups = len(osds[0]["param_groups"])
+    if "param_id_map" in osds[0]:
+        return OptimLayout(True, _consolidated_entries(osds, model), num_groups)
+    return OptimLayout(False, _flat_entries(osds, model), num_groups)
+
+
+def _flat_entries(osds: Sequence[Mapping[str, Any]], model: ModelLayout) -> dict[int, tuple[StateEntry, ...]]:
+    labels, num_flat = model.labels, len(model.flat_params)
+    ids = list(osds[0]["state"])
+    for osd, label in zip(osds[1:], labels[1:]):
+        if set(osd["state"]) != set(ids):
+            raise ReshardError(
+                f"{label}: {OPTIM} covers flat parameters {sorted(osd['state'])} "
+                f"but {labels[0]} covers {sorted(ids)}"
+            )
+    for k in ids:
+        if not isinstance(k, int) or not 0 <= k < num_flat:
+            raise ReshardError(
+                f"{labels[0]}: {OPTIM}.state has id {k!r} but shard_metadata lists {num_flat} flat parameters "
+                f"(ids 0..{num_flat - 1}); the optimizer state does not match the flat parameters"
+            )
+    return {k: tuple(_flat_entry(osds, model, k, name) for name in osds[0]["state"][k]) for k in sorted(ids)}
+
+
+def _flat_entry(osds: Sequence[Mapping[str, Any]], model: ModelLayout, k: int, name: str) -> StateEntry:
+    labels, fp = model.labels, model.flat_params[k]
+    values = []
+    for osd, label in zip(osds, labels):
+        if name not in osd["state"][k]:
+            raise ReshardError(f"{label}: {OPTIM}.state[{k}] lacks '{name}', which {labels[0]} has")
+        values.append(osd["state"][k][name])
+    if not any(torch.is_tensor(v) and v.dim() > 0 for v in values):
+        return StateEntry(name, values=tuple(values))
+    segments = []
+    for r, (value, label) in enumerate(zip(values, labels)):
+        expected = model.padded_lengths[k][r]
+        if not torch.is_tensor(value) or value.dim() != 1 or value.numel() != expected:
+            found = list(value.shape) if torch.is_tensor(value) else type(value).__name__
+            raise ReshardError(
+                f"{label}: {OPTIM}.state[{k}]['{name}'] has shape {found} but flat parameter '{fp.key}' "
+                f"has {expected} elements there; the optimizer state does not match the flat parameters"
+            )
+        segments.append(Segment(r, (OPTIM, "state", k, name), model.kept_lengths[k][r]))
+    return StateEntry(name, segments=tuple(segments), dtype=values[0].dtype)
+
+
+def _consolidated_entries(
+    osds: Sequence[Mapping[str, Any]], model: ModelLayout
+) -> dict[int, tuple[StateEntry, ...]]:
+    label, osd = model.labels[0], osds[0]
+    if len(osds) > 1:
+        raise ReshardError(f"{label}: holds consolidated optimizer state (param_id_map) but is one of several shards")
+    if osd.get("uncollected_local_ids"):
+        raise ReshardError(f"{label}: {OPTIM} has uncollected_local_ids (no_broadcast_optim_state); not supported")
+    state, id_map = osd["state"], osd.get("param_id_map") or {}
+    by_flat: dict[int, list[int]] = {}
+    for g, k, _ in global_params(model):
+        by_flat.setdefault(k, []).append(g)
+        if g in state and id_map.get(g, k) not in (k, None):
+            raise ReshardError(
+                f"{label}: {OPTIM}.param_id_map maps parameter {g} to flat parameter {id_map[g]}, expected {k}; "
+                "the optimizer state comes from a different FSDP wrapping"
+            )
+    total = sum(len(ids) for ids in by_flat.values())
+    unknown = [g for g in state if not isinstance(g, int) or not 0 <= g < total]
+    if unknown:
+        raise ReshardError(f"{label}: {OPTIM}.state has id {unknown[0]!r} but shard_metadata lists {total} parameters")
+    entries = {}
+    for k, ids in by_flat.items():
+        present = [g for g in ids if g in state]
+        if len(present) not in (0, len(ids)):
+            missing = sorted(set(ids) - set(present))
+            raise ReshardError(f"{label}: {OPTIM}.state lacks parameters {missing} of flat parameter '{model.flat_params[k].key}'")
+        if present:
+            entries[k] = _consolidated_flat_param(state, model, k, ids, label)
+    return entries
+
+
+def _consolidated_flat_param(
+    state: Mapping[int, Mapping[str, Any]], model: ModelLayout, k: int, ids: Sequence[int], label: str
+) -> tuple[StateEntry, ...]:
+    fp = model.flat_params[k]
+    entries = []
+    for name, first in state[ids[0]].items():
+        if not (torch.is_tensor(first) and first.dim() > 0):
+            gathered = isinstance(first, list) and bool(first) and all(_is_scalar_tensor(v) for v in first)
+            entries.append(StateEntry(name, values=tuple(first) if gathered else (first,), gathered=gathered))
+            continue
+        segments = []
+        for g, param_name, shape in zip(ids, fp.names, fp.shapes):
+            value = state[g].get(name)
+            if not torch.is_tensor(value) or value.numel() != shape.numel():
+                found = list(value.shape) if torch.is_tensor(value) else type(value).__name__
+                raise ReshardError(
+                    f"{label}: {OPTIM}.state[{g}]['{name}'] has shape {found} but parameter '{param_name}' "
+                    f"has shape {list(shape)}"
+                )
+            segments.append(Segment(0, (OPTIM, "state", g, name), shape.numel()))
+        entries.append(StateEntry(name, segments=tuple(segments), dtype=first.dtype))
+    return tuple(entries)
+
+
+def flat_optimizer_targets(optim: OptimLayout, model: ModelLayout, world_size: int, rank: int) -> list[Target]:
+    """Each per-element state of rank `rank` of `world_size`, padded like its flat parameter."""
+    targets = []
+    for k, entries in optim.entries.items():
+        start, end, padded_len = shard_range(model.flat_params[k].numel, world_size, rank)
+        for e in entries:
+            if e.segments is not None:
+                pieces = plan_range(e.segments, start, end)
+                targets.append(Target((OPTIM, "state", k, e.name), torch.Size([padded_len]), e.dtype, pieces))
+    return targets
+
+
+def consolidated_optimizer_targets(optim: OptimLayout, model: ModelLayout) -> list[Target]:
+    """Each per-element state of each original parameter, with its original shape."""
+    targets = []
+    for g, k, j in global_params(model):
+        fp = model.flat_params[k]
+        start, end = fp.ranges()[j]
+        for e in optim.entries.get(k, ()):
+            if e.segments is not None:
+                pieces = plan_range(e.segments, start, end)
+                targets.append(Target((OPTIM, "state", g, e.name), fp.shapes[j], e.dtype, pieces))
+    return targets
+
+
+def assemble_flat_optimizer(
+    osd0: Mapping[str, Any], optim: OptimLayout, model: ModelLayout, tensors: Mapping[tuple, torch.Tensor], rank: int
+) -> dict[str, Any]:
+    """One rank's flat optimizer state_dict; other keys (param_groups, loss_scale) from rank 0."""
+    state = {}
+    for k, entries in optim.entries.items():
+        state[k] = {
+            e.name: tensors[(OPTIM, "state", k, e.name)] if e.segments is not None else e.flat_value(rank)
+            for e in entries
+        }
+    out = _carried(osd0, state)
+    if optim.consolidated:  # back to one id per flat parameter, as fairscale's flatten_optim_state_dict
+        out["param_groups"][0]["params"] = list(range(len(model.flat_params)))
+    return out
+
+
+def assemble_consolidated_optimizer(
+    osd0: Mapping[str, Any], optim: OptimLayout, model: ModelLayout, tensors: Mapping[tuple, torch.Tensor]
+) -> dict[str, Any]:
+    """fairscale's consolidated layout, exactly as `gather_full_optim_state_dict` returns it."""
+    state, id_map = {}, {}
+    for g, k, _ in global_params(model):
+        entries = optim.entries.get(k)
+        id_map[g] = k if entries is not None else None
+        if entries is not None:
+            state[g] = {
+                e.name: tensors[(OPTIM, "state", g, e.name)] if e.segments is not None else e.consolidated_value()
+                for e in entries
+            }
+    out = _carried(osd0, state)
+    out["param_groups"][0]["params"] = list(range(len(id_map)))
+    out["param_id_map"] = id_map
+    out["uncollected_local_ids"] = []
+    return out
+
+
+def _carried(osd0: Mapping[str, Any], state: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {"state": state}
+    for key, value in osd0.items():
+        if key not in LAYOUT_KEYS:
+            out[key] = copy.deepcopy(value) if key == "param_groups" else value
+    return out

@@ -1,0 +1,241 @@
+"""CLI tests of `python -m metaseq.scripts.reshard_fsdp`, mostly through `main([...])`."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from metaseq.file_io import load_checkpoint
+from metaseq.reshard import driver
+from metaseq.scripts.reshard_fsdp import build_parser, main
+from synthetic import Opaque, assert_tree_equal, make_model, make_shards, write_shards
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def shard_dir(tmp_path: Path) -> Path:
+    """4 training shards of model part 0 in tmp_path/ckpts."""
+    write_shards(make_shards(make_model(), 4), tmp_path / "ckpts")
+    return tmp_path / "ckpts"
+
+
+def _pattern(folder: Path) -> str:
+    return str(folder / "checkpoint_last-model_part-0-shard*.pt")
+
+
+def _files(folder: Path) -> set[str]:
+    return {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()}
+
+
+def _error_line(capsys: pytest.CaptureFixture) -> str:
+    """The one ERROR line on stderr (INFO lines may precede it; no traceback)."""
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    errors = [line for line in err.splitlines() if line.startswith("ERROR: ")]
+    assert len(errors) == 1, err
+    assert err.rstrip().endswith(errors[0])
+    return errors[0]
+
+
+def test_reshard_to_two_and_back_reproduces_the_files(shard_dir: Path, tmp_path: Path) -> None:
+    two = tmp_path / "two" / "checkpoint_last-model_part-0-shard{i}.pt"
+    assert main(["--input", _pattern(shard_dir), "--output", str(two), "--num-output-shards", "2", "--quiet"]) == 0
+    back = tmp_path / "back" / "checkpoint_last-model_part-0-shard{i}.pt"
+    assert main(["--input", _pattern(tmp_path / "two"), "--output", str(back), "--num-output-shards", "4"]) == 0
+    for rank in range(4):
+        got = load_checkpoint(str(back).replace("{i}", str(rank)))
+        want = load_checkpoint(shard_dir / f"checkpoint_last-model_part-0-shard{rank}.pt")
+        for key in ("model", "shard_metadata", "last_optimizer_state", "optimizer_history"):
+            assert_tree_equal(got[key], want[key], key)
+
+
+def test_unflatten_writes_original_names_for_inference(shard_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out" / "reshard-model_part-0.pt"
+    argv = ["--input-glob-pattern", _pattern(shard_dir), "--output-shard-name", str(out),
+            "--num-output-shards", "1", "--skip-optimizer-state", "True", "--unflatten-weights", "True"]
+    assert main(argv) == 0
+    got = load_checkpoint(out)
+    assert_tree_equal(got["model"], make_model().state_dict())
+    assert "last_optimizer_state" not in got
+
+
+@pytest.mark.parametrize(
+    "flags, skip, unflatten",
+    [
+        ([], False, False),
+        (["--skip-optimizer-state"], True, False),
+        (["--skip-optimizer-state", "True", "--unflatten-weights", "false"], True, False),
+        (["--skip-optimizer-state", "0", "--unflatten-weights", "yes"], False, True),
+        (["--unflatten-weights", "--no-skip-optimizer-state"], False, True),
+        (["--skip-optimizer-state", "--no-skip-optimizer-state"], False, False),
+    ],
+)
+def test_bool_flags_accept_bare_true_false_and_no_prefix(flags: list[str], skip: bool, unflatten: bool) -> None:
+    args = build_parser().parse_args(["--input", "a", "--output", "b", *flags])
+    assert (args.skip_optimizer_state, args.unflatten_weights) == (skip, unflatten)
+
+
+def test_bad_bool_value_is_a_one_line_error(capsys: pytest.CaptureFixture) -> None:
+    assert main(["--input", "a", "--output", "b", "--unflatten-weights", "maybe"]) == 2
+    assert "expected True or False, got 'maybe'" in _error_line(capsys)
+
+
+def test_dry_run_prints_plan_and_writes_nothing(shard_dir: Path, tmp_path: Path, capsys) -> None:
+    before = _files(tmp_path)
+    out = str(tmp_path / "out" / "shard{i}.pt")
+    assert main(["--input", _pattern(shard_dir), "--output", out, "--num-output-shards", "3", "--dry-run"]) == 0
+    plan = capsys.readouterr().out
+    assert _files(tmp_path) == before
+    assert "4 shard(s) -> 3 flat shard(s)" in plan
+    assert "output 2:" in plan and "bytes of tensors" in plan
+    assert "reads " + str(shard_dir / "checkpoint_last-model_part-0-shard3.pt") in plan
+
+
+def test_missing_shard_fails_and_names_it(shard_dir: Path, tmp_path: Path, capsys) -> None:
+    (shard_dir / "checkpoint_last-model_part-0-shard2.pt").unlink()
+    out = tmp_path / "out.pt"
+    assert main(["--input", _pattern(shard_dir), "--output", str(out)]) == 2
+    assert "shard2 is missing" in _error_line(capsys)
+    assert not out.exists()
+
+
+def test_mixed_model_parts_are_rejected(shard_dir: Path, tmp_path: Path, capsys) -> None:
+    write_shards(make_shards(make_model(), 4), shard_dir, part=1)
+    assert main(["--input", str(shard_dir / "*.pt"), "--output", str(tmp_path / "o.pt")]) == 2
+    assert "inputs mix model parts [0, 1]" in _error_line(capsys)
+
+
+def test_inputs_are_ordered_naturally(tmp_path: Path) -> None:
+    write_shards(make_shards(make_model(), 11), tmp_path)
+    paths = driver.find_input_shards(str(tmp_path / "*.pt"))
+    assert [Path(p).name for p in paths] == [f"checkpoint_last-model_part-0-shard{r}.pt" for r in range(11)]
+
+
+def test_duplicate_shard_index_is_rejected(shard_dir: Path, tmp_path: Path, capsys) -> None:
+    (shard_dir / "checkpoint_last-model_part-0-shard01.pt").write_bytes(b"")
+    assert main(["--input", str(shard_dir / "*.pt"), "--output", str(tmp_path / "o.pt")]) == 2
+    assert "shard index 1 appears twice" in _error_line(capsys)
+
+
+def test_untrusted_pickle_needs_trust_checkpoint(tmp_path: Path, capsys) -> None:
+    shards = make_shards(make_model(), 2)
+    shards[0]["extra_state"]["custom"] = Opaque(1)
+    write_shards(shards, tmp_path / "ckpts")
+    argv = ["--input", _pattern(tmp_path / "ckpts"), "--output", str(tmp_path / "o.pt")]
+    assert main(argv) == 2
+    assert "pass --trust-checkpoint" in _error_line(capsys)
+    assert main([*argv, "--trust-checkpoint"]) == 0
+    assert load_checkpoint(tmp_path / "o.pt", trust=True)["extra_state"]["custom"].value == 1
+
+
+def test_several_outputs_require_index_placeholder(shard_dir: Path, tmp_path: Path, capsys) -> None:
+    assert main(["--input", _pattern(shard_dir), "--output", str(tmp_path / "o.pt"), "--num-output-shards", "2"]) == 2
+    assert "--num-output-shards=2 but --output-shard-name" in _error_line(capsys)
+    assert not (tmp_path / "o.pt").exists()
+
+
+def test_bare_output_file_name_writes_to_working_directory(shard_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(["--input", _pattern(shard_dir), "--output", "consolidated.pt", "--unflatten-weights"]) == 0
+    assert "decoder.layers.0.fc_tied.weight" in load_checkpoint(tmp_path / "consolidated.pt")["model"]
+
+
+def test_existing_output_needs_overwrite(shard_dir: Path, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "o.pt"
+    out.write_bytes(b"keep me")
+    assert main(["--input", _pattern(shard_dir), "--output", str(out)]) == 2
+    assert "pass --overwrite" in _error_line(capsys)
+    assert out.read_bytes() == b"keep me"
+    assert main(["--input", _pattern(shard_dir), "--output", str(out), "--overwrite"]) == 0
+    assert "shard_metadata" in load_checkpoint(out)
+
+
+def test_output_equal_to_an_input_is_rejected(shard_dir: Path, capsys) -> None:
+    target = shard_dir / "checkpoint_last-model_part-0-shard0.pt"
+    assert main(["--input", _pattern(shard_dir), "--output", str(target), "--overwrite"]) == 2
+    assert "is also an input" in _error_line(capsys)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--num-output-shards", "0"], "--num-output-shards=0: must be at least 1"),
+        (["--num-output-shards", "2", "--unflatten-weights"], "--unflatten-weights needs --num-output-shards=1"),
+        (["--output-dtype", "fp8"], "invalid choice: 'fp8'"),
+    ],
+)
+def test_bad_options_fail_with_one_line_and_write_nothing(shard_dir, tmp_path, capsys, extra, message) -> None:
+    out = tmp_path / "out" / "o{i}.pt"
+    assert main(["--input", _pattern(shard_dir), "--output", str(out), *extra]) == 2
+    assert message in _error_line(capsys)
+    assert not (tmp_path / "out").exists()
+
+
+def test_no_matching_files_is_reported(tmp_path: Path, capsys) -> None:
+    assert main(["--input", str(tmp_path / "nothing*.pt"), "--output", str(tmp_path / "o.pt")]) == 2
+    assert "matches no files" in _error_line(capsys)
+
+
+def test_corrupt_shard_fails_before_writing(shard_dir: Path, tmp_path: Path, capsys) -> None:
+    (shard_dir / "checkpoint_last-model_part-0-shard3.pt").write_bytes(b"not a checkpoint")
+    out = tmp_path / "out" / "o{i}.pt"
+    assert main(["--input", _pattern(shard_dir), "--output", str(out), "--num-output-shards", "2"]) == 2
+    assert "shard3.pt: cannot read checkpoint" in _error_line(capsys)
+    assert not (tmp_path / "out").exists()
+
+
+def test_failure_while_writing_removes_outputs_already_written(shard_dir, tmp_path, monkeypatch, capsys) -> None:
+    saved = []
+
+    def flaky_save(obj, path):
+        if saved:
+            raise OSError(28, "No space left on device")
+        torch.save(obj, path)
+        saved.append(path)
+
+    monkeypatch.setattr(driver, "atomic_torch_save", flaky_save)
+    out = tmp_path / "o{i}.pt"
+    assert main(["--input", _pattern(shard_dir), "--output", str(out), "--num-output-shards", "2"]) == 2
+    assert f"{str(out).replace('{i}', '1')}: cannot write (No space left on device)" in _error_line(capsys)
+    assert saved and not any(os.path.exists(p) for p in saved)
+
+
+def test_file_without_metadata_is_explained(tmp_path: Path, capsys) -> None:
+    torch.save({"model": make_model().state_dict()}, tmp_path / "model.pt")
+    assert main(["--input", str(tmp_path / "model.pt"), "--output", str(tmp_path / "o.pt")]) == 2
+    line = _error_line(capsys)
+    assert "model.pt: no 'shard_metadata'" in line and "consolidated" in line
+
+
+def test_drop_metaseq_req_and_dtype_reach_the_file(shard_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "o.pt"
+    assert main(["--input", _pattern(shard_dir), "--output", str(out), "--drop-metaseq-req", "--output-dtype", "fp16"]) == 0
+    got = load_checkpoint(out)
+    assert got["extra_state"]["train_iterator"] is None
+    assert got["model"]["flat_param_0"].dtype == torch.float16
+    assert got["last_optimizer_state"]["state"][0]["exp_avg"].dtype == torch.float32
+
+
+def test_help_has_examples(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    assert exc.value.code == 0
+    assert "examples:" in capsys.readouterr().out
+
+
+def test_python_m_entry_point_runs(shard_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "single" / "reshard-model_part-0.pt"
+    cmd = [sys.executable, "-m", "metaseq.scripts.reshard_fsdp", "--input", _pattern(shard_dir),
+           "--output", str(out), "--unflatten-weights", "True", "--skip-optimizer-state", "True"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "found 4 input shard(s)" in proc.stderr and f"wrote {out}" in proc.stderr
+    assert_tree_equal(load_checkpoint(out)["model"], make_model().state_dict())
+    bad = subprocess.run(cmd[:3] + ["--input", str(tmp_path / "none*.pt"), "--output", "x.pt"],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.startswith("ERROR: ") and len(bad.stderr.strip().splitlines()) == 1
