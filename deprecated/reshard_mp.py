@@ -1,0 +1,133 @@
+#!/usr/bin/env python3
+"""DEPRECATED: the old `reshard_mp` command line, kept until release 0.3 is out.
+
+Despite its name, `reshard_mp` never changed model parallelism. It reshards the
+FSDP shards of ONE model part to a new data-parallel size, keeping weights flat:
+
+    {save_prefix}-model_part-{part}-shard*.pt -> {save_dir}/reshard-model_part-{part}-shard{i}.pt
+
+for i < --target-ddp-size. This script has no resharding code of its own: it
+builds the equivalent `python -m metaseq.scripts.reshard_fsdp` command, logs it
+(copy it into your scripts), and runs that tool's `main()` with it. Like the old
+tool, it replaces existing output files. Example:
+
+    python deprecated/reshard_mp.py ckpts/checkpoint_last out --part 0 --target-ddp-size 8
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shlex
+import sys
+import warnings
+from pathlib import Path
+
+REMOVED_AFTER = "0.3"
+NEW_TOOL = "metaseq.scripts.reshard_fsdp"
+# The words reshard_fsdp's `--flag BOOL` takes. Not imported from there: this script must
+# start, and warn, without importing torch (the launchers call it once per part to warn).
+TRUE_WORDS = {"true", "1", "yes", "y", "on"}
+FALSE_WORDS = {"false", "0", "no", "n", "off"}
+
+logger = logging.getLogger("deprecated.reshard_mp")
+
+
+def parse_bool(text: str) -> bool:
+    """`True`/`False` in any case (also 1/0, yes/no), as the old fire-based CLI took them."""
+    word = text.strip().lower()
+    if word not in TRUE_WORDS | FALSE_WORDS:
+        raise argparse.ArgumentTypeError(f"expected True or False, got {text!r}")
+    return word in TRUE_WORDS
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python deprecated/reshard_mp.py",
+        description=(
+            f"DEPRECATED (removed after release {REMOVED_AFTER}): reshard the FSDP shards of one model part. "
+            f"Forwards to python -m {NEW_TOOL}, which is what you should call instead."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("save_prefix", help="inputs are {save_prefix}-model_part-{part}-shard*.pt, e.g. ckpts/checkpoint_last")
+    p.add_argument("save_dir", help="outputs are {save_dir}/reshard-model_part-{part}-shard{i}.pt")
+    p.add_argument("--part", type=int, default=0, help="model-parallel part whose shards to reshard")
+    p.add_argument("--target-ddp-size", "--target_ddp_size", type=int, default=512, help="number of output shards")
+    bool_flag = dict(nargs="?", const=True, default=False, type=parse_bool, metavar="True|False")
+    p.add_argument(
+        "--no-pad", "--no_pad", **bool_flag,
+        help="accepted and ignored: outputs are always padded like FSDP pads them, so that FSDP can load them",
+    )
+    p.add_argument(
+        "--drop-optimizer-state", "--drop_optimizer_state", **bool_flag,
+        help="write no optimizer state (the new tool's --skip-optimizer-state)",
+    )
+    p.add_argument(
+        "--print-replacement", action="store_true",
+        help="print the equivalent reshard_fsdp command and exit without resharding",
+    )
+    return p
+
+
+def replacement_argv(args: argparse.Namespace) -> list[str]:
+    """The `reshard_fsdp` arguments that do what the old tool did with `args`."""
+    argv = [
+        "--input-glob-pattern", f"{args.save_prefix}-model_part-{args.part}-shard*.pt",
+        "--output-shard-name", os.path.join(args.save_dir, f"reshard-model_part-{args.part}-shard{{i}}.pt"),
+        "--num-output-shards", str(args.target_ddp_size),
+        "--overwrite",  # the old tool replaced existing outputs without asking
+    ]
+    if args.drop_optimizer_state:
+        argv.append("--skip-optimizer-state")
+    return argv
+
+
+def replacement_command(argv: list[str]) -> str:
+    """A complete, copy-pasteable shell command."""
+    return shlex.join(["python", "-m", NEW_TOOL, *argv])
+
+
+def warn_deprecated(argv: list[str]) -> None:
+    command = replacement_command(argv)
+    logger.warning(
+        "deprecated/reshard_mp.py is deprecated and will be removed after release %s; "
+        "it now runs this command, use it instead:\n    %s",
+        REMOVED_AFTER, command,
+    )
+    warnings.warn(
+        f"deprecated/reshard_mp.py will be removed after release {REMOVED_AFTER}; "
+        f"use python -m {NEW_TOOL} (the exact command is in the log above)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s", stream=sys.stderr)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.part < 0:
+        parser.error(f"--part={args.part} must be 0 or more")
+    if args.target_ddp_size < 1:
+        parser.error(f"--target-ddp-size={args.target_ddp_size} must be at least 1")
+    new_argv = replacement_argv(args)
+    if args.print_replacement:
+        print(replacement_command(new_argv))
+        return 0
+    warn_deprecated(new_argv)
+    if args.no_pad:
+        logger.warning(
+            "--no-pad is ignored: outputs are padded exactly as FSDP pads its flat parameters, "
+            "so that FSDP can load them; the padding is a few zeros per flat parameter"
+        )
+    # Imported only now: the deprecation notice comes first even if the import is slow or fails.
+    # A checkout that was not installed still finds its own metaseq package.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from metaseq.scripts import reshard_fsdp
+
+    return reshard_fsdp.main(new_argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
