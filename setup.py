@@ -5,9 +5,11 @@ setup(
     version="0.1.0",
     description="Reshard fairscale FSDP checkpoints of OPT-style language models",
     packages=find_packages(include=["metaseq", "metaseq.*"]),
+    package_data={"metaseq": ["assets/*.txt"]},  # the demo corpus
     python_requires=">=3.10",
     # Permissive on purpose: users on GPUs keep their own torch build.
     # The Makefile pins exact versions through constraints.txt.
     install_requires=["torch>=2.1", "fairscale>=0.4.13", "numpy", "tqdm"],
-    extras_require={"test": ["pytest>=7", "hypothesis>=6"]},
+    # bench: only `python -m metaseq.scripts.benchmark_reshard --plot` needs it.
+    extras_require={"test": ["pytest>=7", "hypothesis>=6"], "bench": ["matplotlib"]},
 )

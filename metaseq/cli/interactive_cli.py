@@ -1,0 +1,149 @@
+"""Ask a checkpoint questions, one prompt per line, without FSDP.
+
+On a terminal it shows a `> ` prompt; piped, it answers every input line and exits:
+
+    echo "what is the meaning of life?" | \\
+        python -m metaseq.cli.interactive_cli --path demo_out/reshard_1/reshard-model_part-0.pt
+
+`--path` is a consolidated file or raw shards (a glob, or a stem such as
+`DIR/checkpoint_last.pt`), consolidated in memory. Answers go to stdout, one line
+each; logs and errors go to stderr. Ctrl-D (EOF) exits; empty lines are ignored.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Iterator, TextIO
+
+from metaseq.file_io import CheckpointLoadError
+from metaseq.hub_utils import GenerationConfig, GeneratorInterface, InferenceLoadError
+
+logger = logging.getLogger("metaseq.cli.interactive_cli")
+
+PROMPT = "> "
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = GenerationConfig
+    p = argparse.ArgumentParser(
+        prog="python -m metaseq.cli.interactive_cli",
+        description="Generate completions from a consolidated checkpoint or raw FSDP shards.",
+        epilog='example: echo "what is the meaning of life?" | python -m metaseq.cli.interactive_cli '
+        "--path demo_out/reshard_1/reshard-model_part-0.pt",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--path", required=True, help="consolidated file, shard glob, or stem such as DIR/checkpoint_last.pt")
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="at most this many tokens per answer")
+    p.add_argument("--sampling", action="store_true", help="sample instead of greedy decoding")
+    p.add_argument("--temperature", type=float, default=d.temperature, help="with --sampling")
+    p.add_argument("--top-p", type=float, default=d.top_p, help="with --sampling: nucleus mass to keep")
+    p.add_argument("--seed", type=int, default=d.seed, help="with --sampling")
+    p.add_argument("--no-stop-at-newline", dest="stop_at_newline", action="store_false", help="continue past newlines; stop only at EOS")
+    p.add_argument("--trust-checkpoint", action="store_true", help="allow arbitrary pickles (trusted files only)")
+    p.add_argument("-v", "--verbose", action="store_true", help="log loading details to stderr")
+    return p
+
+
+def generation_config_from_args(args: argparse.Namespace) -> GenerationConfig:
+    return GenerationConfig(
+        max_new_tokens=args.max_new_tokens,
+        sampling=args.sampling,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop_at_newline=args.stop_at_newline,
+    )
+
+
+def read_prompts(stream: TextIO, *, interactive: bool) -> Iterator[str]:
+    """Non-empty stripped lines until EOF; on a terminal each is read after a `> ` prompt."""
+    while True:
+        if interactive:
+            try:
+                line = input(PROMPT)
+            except EOFError:
+                print()  # leave the shell prompt on a fresh line after Ctrl-D
+                return
+        else:
+            line = stream.readline()
+            if not line:
+                return
+        line = line.strip()
+        if line:
+            yield line
+
+
+def answer_prompts(gen: GeneratorInterface, cfg: GenerationConfig, prompts: Iterator[str], out: TextIO) -> int:
+    """Write one stripped completion per prompt; returns how many prompts failed."""
+    failures = 0
+    for prompt in prompts:
+        try:
+            (completion,) = gen.generate([prompt], cfg)
+        except ValueError as e:  # e.g. a prompt longer than the model's context
+            logger.error("%s", e)
+            failures += 1
+            continue
+        print(completion.strip(), file=out, flush=True)
+    return failures
+
+
+def configure_logging(verbose: bool) -> logging.Handler:
+    """Log `metaseq.*` to stderr (errors only unless --verbose); returns the handler to remove.
+
+    A handler on the package logger rather than `basicConfig`, so that `main()` called
+    in-process (tests, notebooks) reports exactly like the command line.
+    """
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(name)s: %(levelname)s: %(message)s"))
+    package = logging.getLogger("metaseq")
+    package.addHandler(handler)
+    package.setLevel(logging.INFO if verbose else logging.WARNING)
+    package.propagate = False
+    return handler
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = generation_config_from_args(args)
+    try:
+        cfg.validate()
+        gen = GeneratorInterface.from_checkpoint(args.path, trust=args.trust_checkpoint)
+    except (ValueError, CheckpointLoadError, InferenceLoadError) as e:
+        logger.error("%s", e)
+        return 2
+    interactive = sys.stdin.isatty()
+    if interactive:
+        _enable_line_editing()
+    try:
+        failures = answer_prompts(gen, cfg, read_prompts(sys.stdin, interactive=interactive), sys.stdout)
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # e.g. `| head -1` closed stdout early; not an error
+        sys.stdout = None  # nothing left to flush at exit
+        return 0
+    return 1 if failures else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    package = logging.getLogger("metaseq")
+    saved = package.level, package.propagate
+    handler = configure_logging(args.verbose)
+    try:
+        return run(args)
+    finally:
+        package.removeHandler(handler)
+        package.setLevel(saved[0])
+        package.propagate = saved[1]
+
+
+def _enable_line_editing() -> None:
+    try:
+        import readline  # noqa: F401  (importing it gives input() history and editing)
+    except ImportError:
+        pass
+
+
+if __name__ == "__main__":
+    sys.exit(main())

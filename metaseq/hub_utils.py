@@ -1,0 +1,272 @@
+"""Serve a checkpoint without FSDP: load it into a plain model and generate text.
+
+Two inputs are accepted:
+
+- a consolidated, unflattened file (what
+  `python -m metaseq.scripts.reshard_fsdp ... --num-output-shards 1 --unflatten-weights True`
+  writes, conventionally `reshard-model_part-0.pt`), loaded with `strict=True`;
+- raw FSDP shards, named by a glob (`DIR/checkpoint_last-model_part-0-shard*.pt`) or
+  by their stem (`DIR/checkpoint_last.pt`), consolidated in memory with
+  `consolidate_shards`: no files are written and no process group is needed.
+
+The model is rebuilt from the checkpoint's `cfg["model"]`, so no size flags are needed.
+
+    gen = GeneratorInterface.from_checkpoint("demo_out/reshard_1/reshard-model_part-0.pt")
+    gen.generate(["what is the meaning of life?"])  # [" To be happy."]
+"""
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+import torch.nn.functional as F
+
+from metaseq.checkpoint_utils import restore_prefix
+from metaseq.file_io import load_checkpoint, natural_sort_key
+from metaseq.models.transformer_lm import ModelConfig, TransformerLanguageModel, build_model
+from metaseq.scripts.reshard_fsdp import ReshardError, consolidate_shards
+from metaseq.tokenizer import BOS, EOS, PAD, UNK, decode, encode
+
+__all__ = [
+    "NEWLINE",
+    "GenerationConfig",
+    "GeneratorInterface",
+    "InferenceLoadError",
+    "build_inference_model",
+    "check_state_keys",
+    "check_tied_weights",
+    "generate_ids",
+    "load_inference_checkpoint",
+    "next_tokens",
+    "resolve_checkpoint_files",
+    "unflatten_command",
+]
+
+logger = logging.getLogger(__name__)
+
+NEWLINE = encode("\n", bos=False)[0]
+_FLAT_KEY = re.compile(r"(^|\.)flat_param_\d+$")
+_WRAPPER_SEGMENTS = frozenset({"_fsdp_wrapped_module", "_fpw_module"})
+_GLOB_CHARS = re.compile(r"[*?\[]")
+_SHARD_INDEX = re.compile(r"-shard(\d+)\.pt$")
+_SHOWN_KEYS = 6
+
+
+class InferenceLoadError(RuntimeError):
+    """A checkpoint cannot be served as given; the message names the file and the fix."""
+
+
+@dataclass
+class GenerationConfig:
+    max_new_tokens: int = 64
+    sampling: bool = False  # False: greedy (argmax), deterministic
+    temperature: float = 1.0  # sampling only
+    top_p: float = 1.0  # sampling only: keep the smallest set of tokens with this much mass
+    seed: int = 1  # sampling only
+    stop_at_newline: bool = True  # EOS always stops
+
+    def validate(self) -> None:
+        """Raise ValueError naming the flag to change."""
+        if self.max_new_tokens < 1:
+            raise ValueError(f"--max-new-tokens={self.max_new_tokens} must be at least 1")
+        if self.temperature <= 0:
+            raise ValueError(f"--temperature={self.temperature} must be > 0 (use greedy decoding, the default, for argmax)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"--top-p={self.top_p} must be in (0, 1]")
+
+
+def resolve_checkpoint_files(path: str) -> tuple[list[str], bool]:
+    """(files, sharded): one consolidated file, or the natural-sorted shards `path` names.
+
+    An existing file is taken as consolidated; a glob pattern or a stem such as
+    `DIR/checkpoint_last.pt` (for `DIR/checkpoint_last-model_part-0-shard*.pt`) names shards.
+    """
+    if _GLOB_CHARS.search(path) is None and os.path.isfile(path):
+        return [path], False
+    pattern = path if _GLOB_CHARS.search(path) else f"{glob.escape(restore_prefix(path))}-model_part-0-shard*.pt"
+    files = sorted(glob.glob(pattern), key=natural_sort_key)
+    if not files:
+        raise InferenceLoadError(
+            f"--path {path}: no such file, and no shard files match {pattern}; pass a consolidated "
+            "file (reshard-model_part-0.pt), a shard glob or a stem such as DIR/checkpoint_last.pt"
+        )
+    indices = [int(m.group(1)) if (m := _SHARD_INDEX.search(f)) else None for f in files]
+    if indices != list(range(len(files))):
+        raise InferenceLoadError(
+            f"--path {path}: {len(files)} files match {pattern} but their shard indices are {indices}, "
+            f"not 0..{len(files) - 1}; is a shard missing, or does the glob mix checkpoints?"
+        )
+    return files, True
+
+
+def load_inference_checkpoint(path: str, *, trust: bool = False) -> dict[str, Any]:
+    """The consolidated checkpoint dict behind `path` (see `resolve_checkpoint_files`)."""
+    files, sharded = resolve_checkpoint_files(path)
+    if not sharded:
+        return load_checkpoint(files[0], trust=trust)
+    # mmap: the shards' tensors are read from disk as they are copied, not all up front.
+    shards = [load_checkpoint(f, mmap=True, trust=trust) for f in files]
+    try:
+        ckpt = consolidate_shards(shards, unflatten=True, skip_optimizer_state=True)
+    except ReshardError as e:  # e.g. an incomplete or inconsistent shard set
+        raise InferenceLoadError(f"--path {path}: cannot consolidate {len(files)} shard files: {e}") from None
+    logger.info("consolidated %d shard files in memory (%s ... %s)", len(files), files[0], files[-1])
+    return ckpt
+
+
+def build_inference_model(ckpt: Mapping[str, Any], *, source: str) -> TransformerLanguageModel:
+    """A plain (non-FSDP) model in eval mode, built from `ckpt["cfg"]["model"]`, weights loaded strictly."""
+    try:
+        model_cfg = ModelConfig.from_dict(ckpt["cfg"]["model"])
+        state = ckpt["model"]
+    except (KeyError, TypeError):
+        raise InferenceLoadError(
+            f"{source}: no cfg['model'] or no 'model' weights; this is not a metaseq checkpoint"
+        ) from None
+    state = {_strip_wrappers(str(k)): v for k, v in state.items()}
+    model = build_model(model_cfg)
+    check_state_keys(set(model.state_dict()), set(state), source=source)
+    check_tied_weights(model, state, source=source)
+    model.load_state_dict(state, strict=True)
+    return model.eval()
+
+
+def check_tied_weights(model: torch.nn.Module, state: Mapping[str, Any], *, source: str) -> None:
+    """Names of one tied parameter must hold equal tensors, or loading would silently keep only one."""
+    names_by_param: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names_by_param.setdefault(id(param), []).append(name)
+    for first, *others in names_by_param.values():
+        for other in others:
+            if not torch.equal(state[first], state[other]):
+                raise InferenceLoadError(
+                    f"{source}: '{first}' and '{other}' are tied in the model but differ in the file; "
+                    "it was not consolidated from one model"
+                )
+
+
+def _strip_wrappers(key: str) -> str:
+    """`_fsdp_wrapped_module.decoder._fpw_module.x` -> `decoder.x` (FSDP's hooks usually did this already)."""
+    return ".".join(part for part in key.split(".") if part not in _WRAPPER_SEGMENTS)
+
+
+def check_state_keys(expected: set[str], found: set[str], *, source: str) -> None:
+    """Raise InferenceLoadError listing missing/unexpected keys; say so when the file is still flat."""
+    missing, unexpected = sorted(expected - found), sorted(found - expected)
+    if not missing and not unexpected:
+        return
+    flat = [k for k in unexpected if _FLAT_KEY.search(k)]
+    if flat:
+        raise InferenceLoadError(
+            f"{source}: the weights are still flat (FSDP flat parameters {_show(flat)} instead of "
+            f"{len(missing)} parameter names such as {_show(missing)}); unflatten them with: "
+            f"{unflatten_command(source)}"
+        )
+    raise InferenceLoadError(
+        f"{source}: the weights do not match the model built from its cfg: "
+        f"missing keys {_show(missing)}; unexpected keys {_show(unexpected)}"
+    )
+
+
+def unflatten_command(source: str) -> str:
+    """The reshard command that turns `source` (a flat file or one shard of a set) into a servable file."""
+    inputs = re.sub(r"-shard\d+\.pt$", "-shard*.pt", source)
+    output = os.path.join(os.path.dirname(source) or ".", "reshard-model_part-0.pt")
+    return (
+        f"python -m metaseq.scripts.reshard_fsdp --input-glob-pattern '{inputs}' --output-shard-name '{output}' "
+        "--num-output-shards 1 --unflatten-weights True --skip-optimizer-state True"
+    )
+
+
+def _show(keys: list[str]) -> str:
+    shown = ", ".join(keys[:_SHOWN_KEYS])
+    more = f" and {len(keys) - _SHOWN_KEYS} more" if len(keys) > _SHOWN_KEYS else ""
+    return f"[{shown}{more}]"
+
+
+def next_tokens(logits: torch.Tensor, cfg: GenerationConfig, generator: torch.Generator) -> torch.Tensor:
+    """logits (B, V) -> token ids (B,): argmax, or a temperature/top-p sample."""
+    logits = logits.clone()
+    logits[:, [BOS, PAD, UNK]] = float("-inf")  # never valid outputs
+    if not cfg.sampling:
+        return logits.argmax(dim=-1)
+    probs = F.softmax(logits / cfg.temperature, dim=-1)  # (B, V)
+    if cfg.top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # Drop a token once the tokens before it already hold top_p; the first always stays.
+        sorted_probs[sorted_probs.cumsum(dim=-1) - sorted_probs >= cfg.top_p] = 0.0
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+
+
+def _pad_prompts(prompts: list[list[int]], limit: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad with PAD to (B, limit) int64; also returns the lengths (B,)."""
+    for p in prompts:
+        if not 0 < len(p) < limit:
+            raise ValueError(
+                f"a prompt of {len(p)} tokens does not fit: prompts need 1 to {limit - 1} tokens "
+                f"(the model holds max_target_positions={limit}); shorten it"
+            )
+    tokens = torch.full((len(prompts), limit), PAD, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = torch.tensor(p, dtype=torch.long)
+    return tokens, torch.tensor([len(p) for p in prompts], dtype=torch.long)
+
+
+@torch.no_grad()
+def generate_ids(model: TransformerLanguageModel, prompts: list[list[int]], cfg: GenerationConfig) -> list[list[int]]:
+    """New token ids per prompt, without the stop token.
+
+    Prompts are right-padded into one (B, T) batch; with causal attention the padding
+    after a row's last token cannot change that row's logits, so a row decodes exactly
+    as it would alone. A row stops at EOS, at a newline (`stop_at_newline`), after
+    `max_new_tokens` or when it fills the model's `max_target_positions`.
+    """
+    limit = model.cfg.max_target_positions
+    tokens, lengths = _pad_prompts(prompts, limit)  # (B, limit), (B,)
+    stops = {EOS, NEWLINE} if cfg.stop_at_newline else {EOS}
+    generator = torch.Generator().manual_seed(cfg.seed)
+    out: list[list[int]] = [[] for _ in prompts]
+    active = torch.ones(len(prompts), dtype=torch.bool)
+    for _ in range(cfg.max_new_tokens):
+        active &= lengths < limit
+        rows = active.nonzero().squeeze(1)
+        if rows.numel() == 0:
+            break
+        logits = model(tokens[rows, : int(lengths[rows].max())])  # (b, T, V)
+        picked = next_tokens(logits[torch.arange(rows.numel()), lengths[rows] - 1], cfg, generator)
+        for row, tok in zip(rows.tolist(), picked.tolist()):
+            if tok in stops:
+                active[row] = False
+                continue
+            out[row].append(tok)
+            tokens[row, lengths[row]] = tok
+            lengths[row] += 1
+    return out
+
+
+class GeneratorInterface:
+    """Text in, text out, around a plain `TransformerLanguageModel`."""
+
+    def __init__(self, model: TransformerLanguageModel):
+        self.model = model.eval()
+
+    @classmethod
+    def from_checkpoint(cls, path: str, *, trust: bool = False) -> "GeneratorInterface":
+        """Load a consolidated file or raw shards (see the module docstring)."""
+        model = build_inference_model(load_inference_checkpoint(path, trust=trust), source=path)
+        n = sum(p.numel() for p in model.parameters())
+        logger.info("loaded %s: %d parameters, %d layers", path, n, model.cfg.decoder_layers)
+        return cls(model)
+
+    def generate(self, prompts: list[str], cfg: GenerationConfig | None = None) -> list[str]:
+        """One completion per prompt (the text after the prompt, stop token excluded)."""
+        cfg = cfg or GenerationConfig()
+        cfg.validate()
+        ids = generate_ids(self.model, [encode(p, bos=True) for p in prompts], cfg)
+        return [decode(x) for x in ids]

@@ -1,0 +1,145 @@
+"""`python -m metaseq.cli.interactive_cli`: piped, on a terminal, and its one-line errors."""
+import io
+import os
+import pty
+import select
+import subprocess
+import sys
+import time
+
+import pytest
+
+from metaseq.cli import interactive_cli
+from metaseq.hub_utils import GenerationConfig, GeneratorInterface
+from metaseq.scripts.reshard_fsdp import reshard_fsdp_checkpoints
+from training import REPO, run_train
+
+QUESTION = "what is the meaning of life?"
+ANSWER = "To be happy."
+# Measured: the default model reproduces the whole corpus after 100-150 such updates.
+MEMORIZE_FLAGS = ["--batch-size", "16", "--seq-len", "64", "--lr", "1e-2"]
+MEMORIZE_UPDATES = 150
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "metaseq.cli.interactive_cli", *args]
+
+
+def _env() -> dict:
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+
+
+@pytest.fixture(scope="module")
+def memorized(tmp_path_factory):
+    """A tiny model trained (1 FSDP rank) until it reproduces the corpus, consolidated for serving."""
+    save_dir = tmp_path_factory.mktemp("memorize")
+    run_train(save_dir, world_size=1, max_update=MEMORIZE_UPDATES, extra=MEMORIZE_FLAGS)
+    served = save_dir / "reshard-model_part-0.pt"
+    reshard_fsdp_checkpoints(
+        str(save_dir / "checkpoint_last-model_part-0-shard*.pt"), str(served),
+        unflatten_weights=True, skip_optimizer_state=True,
+    )
+    return save_dir, served
+
+
+def test_piped_question_prints_the_memorized_answer_and_exits(memorized):
+    _, served = memorized
+    proc = subprocess.run(_cli("--path", str(served)), input=QUESTION + "\n", capture_output=True,
+                          text=True, env=_env(), cwd=REPO, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == ANSWER + "\n"
+    assert "Traceback" not in proc.stderr
+
+
+def test_each_nonempty_line_is_answered_until_eof(memorized, monkeypatch, capsys):
+    _, served = memorized
+    monkeypatch.setattr(sys, "stdin", io.StringIO(f"{QUESTION}\n\n   \nwhat do cats chase?\n"))
+    assert interactive_cli.main(["--path", str(served)]) == 0
+    assert capsys.readouterr().out.splitlines() == [ANSWER, "Mice."]
+
+
+def test_raw_shards_answer_like_the_consolidated_file(memorized, trained, monkeypatch, capsys):
+    save_dir, _ = memorized
+    monkeypatch.setattr(sys, "stdin", io.StringIO(QUESTION + "\n"))
+    assert interactive_cli.main(["--path", str(save_dir / "checkpoint_last.pt")]) == 0
+    assert capsys.readouterr().out == ANSWER + "\n"
+    # 4 shards of the (barely trained) shared run, consolidated in memory, as the library decodes them.
+    four = trained[4][0]
+    expected = GeneratorInterface.from_checkpoint(str(four / "checkpoint_last.pt")).generate(
+        [QUESTION], GenerationConfig(max_new_tokens=12))[0].strip()
+    monkeypatch.setattr(sys, "stdin", io.StringIO(QUESTION + "\n"))
+    assert interactive_cli.main(["--path", str(four / "checkpoint_last-model_part-0-shard*.pt"), "--max-new-tokens", "12"]) == 0
+    assert capsys.readouterr().out == expected + "\n"
+
+
+def test_flat_checkpoint_gives_one_line_error_not_traceback(memorized, tmp_path):
+    save_dir, _ = memorized
+    flat = tmp_path / "flat.pt"
+    reshard_fsdp_checkpoints(str(save_dir / "checkpoint_last-model_part-0-shard*.pt"), str(flat))
+    proc = subprocess.run(_cli("--path", str(flat)), input=QUESTION + "\n", capture_output=True,
+                          text=True, env=_env(), cwd=REPO, timeout=120)
+    assert proc.returncode != 0
+    assert proc.stdout == ""
+    err = proc.stderr.strip().splitlines()
+    assert len(err) == 1, proc.stderr
+    assert "still flat" in err[0] and "flat_param_0" in err[0]
+    assert "reshard_fsdp" in err[0] and "--unflatten-weights True" in err[0]
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "args, culprit",
+    [
+        (["--path", "nowhere/checkpoint_last.pt"], "no shard files match nowhere/checkpoint_last-model_part-0-shard*.pt"),
+        (["--top-p", "1.5"], "--top-p=1.5 must be in (0, 1]"),
+    ],
+)
+def test_bad_path_or_flag_is_one_line_error(memorized, args, culprit, capsys):
+    args = args if "--path" in args else ["--path", str(memorized[1]), *args]
+    assert interactive_cli.main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and culprit in err[0]
+
+
+def test_too_long_prompt_is_reported_and_the_rest_answered(memorized, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("x" * 100 + f"\n{QUESTION}\n"))
+    assert interactive_cli.main(["--path", str(memorized[1])]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ANSWER + "\n"
+    assert "a prompt of 101 tokens does not fit" in captured.err
+
+
+def _read_until(fd: int, seen: bytearray, done, timeout: float = 60.0) -> None:
+    """Read the terminal into `seen` until `done(seen)`."""
+    deadline = time.monotonic() + timeout
+    while not done(bytes(seen)):
+        ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+        if not ready:
+            raise AssertionError(f"timed out; the terminal shows {bytes(seen)!r}")
+        try:
+            chunk = os.read(fd, 4096)
+        except OSError:  # EIO: the child closed the terminal
+            chunk = b""
+        if not chunk:
+            raise AssertionError(f"the terminal closed early; it shows {bytes(seen)!r}")
+        seen += chunk
+
+
+def test_terminal_session_shows_prompt_answers_and_exits_on_ctrl_d(memorized):
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(_cli("--path", str(memorized[1])), stdin=slave, stdout=slave, stderr=subprocess.PIPE,
+                            env=_env(), cwd=REPO)
+    os.close(slave)
+    seen, answer = bytearray(), ANSWER.encode()
+    try:
+        _read_until(master, seen, lambda out: b"> " in out)
+        os.write(master, f"\n{QUESTION}\n".encode())  # an empty line first: ignored
+        # The answer, then a fresh prompt after it.
+        _read_until(master, seen, lambda out: answer in out and b"> " in out[out.index(answer):])
+        os.write(master, b"\x04")  # Ctrl-D
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()
+        os.close(master)
+    assert bytes(seen).count(answer) == 1
+    assert b"Traceback" not in proc.stderr.read()
