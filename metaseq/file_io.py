@@ -6,21 +6,30 @@ so that a crash never leaves a partial file at a final path.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import re
 import tempfile
+import zipfile
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, Callable
 
 import torch
 
 __all__ = [
     "CheckpointLoadError",
     "atomic_torch_save",
+    "check_checkpoint_crc",
     "load_checkpoint",
+    "load_checkpoint_skeleton",
     "natural_sort_key",
+    "remove_stale_temp_files",
     "shard_file_name",
 ]
+
+logger = logging.getLogger(__name__)
+
+CRC_CHUNK_BYTES = 16 << 20
 
 # Types this project's checkpoints may contain besides tensors and builtins.
 # torch.Size (shapes in shard_metadata) is allowed by torch already.
@@ -42,18 +51,23 @@ def natural_sort_key(path: str | os.PathLike) -> list:
     return [int(p) if p.isdigit() else p for p in parts]
 
 
-def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
+def atomic_torch_save(obj: Any, path: str | os.PathLike, *, on_write: Callable[[int], None] | None = None) -> None:
     """`torch.save` to a temp file in the target folder, fsync, rename, fsync the folder.
 
-    Either the final path holds the complete file or it is left untouched.
+    Either the final path holds the complete file or it is left untouched. The temp
+    file is `.NAME.<pid>.<random>.tmp` (hidden, never matched by a `*.pt` glob); ones
+    left by killed writers are removed first. A write error such as ENOSPC is raised
+    as that OSError (torch would report it as an opaque RuntimeError). `on_write(nbytes)`
+    is called after each write to the temp file (progress reporting).
     """
     path = Path(path)
-    folder = path.parent if str(path.parent) else Path(".")
+    folder = path.parent  # Path("name.pt").parent is Path(".")
     folder.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
+    remove_stale_temp_files(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp", dir=folder)
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
+            _save_to_file(obj, f, on_write)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -64,6 +78,78 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
             pass
         raise
     _fsync_dir(folder)
+
+
+class _WriteErrorRecorder:
+    """File wrapper for torch.save that remembers the OSError a write raised."""
+
+    def __init__(self, f: BinaryIO, on_write: Callable[[int], None] | None = None) -> None:
+        self.f = f
+        self.on_write = on_write
+        self.error: OSError | None = None
+
+    def write(self, data: bytes) -> int:
+        try:
+            written = self.f.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+        if self.on_write is not None:
+            self.on_write(written)
+        return written
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def _save_to_file(obj: Any, f: BinaryIO, on_write: Callable[[int], None] | None = None) -> None:
+    writer = _WriteErrorRecorder(f, on_write)
+    try:
+        torch.save(obj, writer)
+    except RuntimeError:
+        if writer.error is not None:  # torch wraps it as "unexpected pos ..."
+            raise writer.error from None
+        raise
+
+
+def remove_stale_temp_files(path: str | os.PathLike) -> list[str]:
+    """Remove temp files of `path` left by writers that died (killed runs); returns them.
+
+    Only `.NAME.<pid>.<random>.tmp` whose pid no longer runs on this host (and
+    `.NAME.<random>.tmp` of older versions, which carry no pid) are removed, so a
+    live writer's temp file is never touched.
+    """
+    path = Path(path)
+    folder = path.parent
+    stale_re = re.compile(rf"\.{re.escape(path.name)}\.(?:(\d+)\.)?[a-z0-9_]{{8}}\.tmp")
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    removed = []
+    for name in names:
+        match = stale_re.fullmatch(name)
+        if match is None or (match.group(1) and _pid_alive(int(match.group(1)))):
+            continue
+        try:
+            os.unlink(folder / name)
+        except FileNotFoundError:
+            continue
+        removed.append(str(folder / name))
+        logger.warning("removed %s, a temporary file left by a killed run", folder / name)
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # e.g. EPERM: it exists, owned by someone else
+        return True
+    return True
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -83,9 +169,13 @@ def load_checkpoint(path: str | os.PathLike, *, mmap: bool = False, trust: bool 
     By default only tensors, builtins, `torch.Size` and `argparse.Namespace` are
     unpickled (`weights_only=True`). `trust=True` allows arbitrary pickles; only for
     files from a trusted source. `mmap=True` maps tensor storages from disk instead
-    of reading them, so memory is spent only on what is touched.
+    of reading them, so memory is spent only on what is touched (files in torch's
+    legacy, non-zip format cannot be mapped and are read). The pickle (names, shapes,
+    metadata) is checked against its zip CRC32 first; tensor data is not (see
+    `check_checkpoint_crc`).
     """
     path = str(path)
+    mmap = mmap and check_checkpoint_crc(path, tensors=False) is not None
     try:
         if trust:
             obj = torch.load(path, map_location="cpu", mmap=mmap, weights_only=False)
@@ -101,7 +191,7 @@ def load_checkpoint(path: str | os.PathLike, *, mmap: bool = False, trust: bool 
                 f"({_unsupported_global(e)}); if you trust this file, pass --trust-checkpoint"
             ) from None
         raise CheckpointLoadError(
-            f"{path}: cannot read checkpoint ({type(e).__name__}: {_first_line(e)}); "
+            f"{path}: cannot read checkpoint ({_load_error_detail(e)}); "
             "the file is truncated, corrupt or not a torch checkpoint"
         ) from None
     if not isinstance(obj, dict):
@@ -109,9 +199,92 @@ def load_checkpoint(path: str | os.PathLike, *, mmap: bool = False, trust: bool 
     return obj
 
 
+def load_checkpoint_skeleton(path: str | os.PathLike, *, trust: bool = False) -> dict:
+    """The checkpoint's structure without its tensor data: tensors become meta tensors.
+
+    0-dim tensors (e.g. an optimizer `step`) keep their value. Only the pickle is read
+    (the file is mmap-loaded and nothing else is touched).
+    """
+    return _skeleton(load_checkpoint(path, mmap=True, trust=trust))
+
+
+def _skeleton(obj: Any) -> Any:
+    if torch.is_tensor(obj):
+        return obj.clone() if obj.dim() == 0 else torch.empty(obj.shape, dtype=obj.dtype, device="meta")
+    if isinstance(obj, dict):
+        return {k: _skeleton(v) for k, v in obj.items()}
+    if type(obj) in (list, tuple):
+        return type(obj)(_skeleton(v) for v in obj)
+    return obj
+
+
+def check_checkpoint_crc(path: str | os.PathLike, *, tensors: bool = True) -> int | None:
+    """Check a torch zip checkpoint's records against the CRC32s stored in its zip directory.
+
+    torch.load never checks them, so a flipped bit would go unnoticed. With `tensors`
+    every record is read (the whole file); without, only the small ones (the pickle,
+    version, byteorder), not the tensor storages `<archive>/data/<key>`. Returns the
+    number of bytes checked, or None for a file that is not a zip (torch's legacy format
+    or garbage: torch.load decides). Records written without a CRC
+    (`torch.serialization.set_crc32_options(False)` stores 0) are not checked.
+    """
+    path = str(path)
+    checked = 0
+    try:
+        with open(path, "rb") as f:
+            if f.read(4) != b"PK\x03\x04":
+                return None
+            with zipfile.ZipFile(f) as archive:
+                for info in archive.infolist():
+                    if tensors or not _STORAGE_RE.fullmatch(info.filename):
+                        checked += _check_record(archive, info)
+    except FileNotFoundError:
+        raise CheckpointLoadError(f"{path}: no such file") from None
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError, NotImplementedError) as e:
+        detail = _zip_error_detail(e)
+        raise CheckpointLoadError(f"{path}: corrupt checkpoint ({detail}); restore the file from a good copy") from None
+    return checked
+
+
+_STORAGE_RE = re.compile(r"[^/]+/data/[^/]+")
+
+
+def _check_record(archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> int:
+    """Read one record; zipfile raises BadZipFile at its end if the CRC32 differs."""
+    if info.CRC == 0:
+        return 0
+    with archive.open(info) as record:
+        while record.read(CRC_CHUNK_BYTES):
+            pass
+    return info.file_size
+
+
+def _zip_error_detail(e: BaseException) -> str:
+    text = _first_line(e)
+    crc = re.fullmatch(r"Bad CRC-32 for file '(?:[^/]*/)?(.*)'", text)
+    if crc:
+        return f"record {crc.group(1)} fails its CRC32 check"
+    if text == "File is not a zip file":
+        return "no zip directory at its end, so it is truncated"
+    if isinstance(e, UnicodeDecodeError):
+        return "a garbled record name in its zip directory"
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
 def _unsupported_global(e: BaseException) -> str:
     match = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
     return f"it contains {match.group(1)}" if match else "it needs arbitrary unpickling"
+
+
+def _load_error_detail(e: BaseException) -> str:
+    """Short reason: torch's weights-only errors carry a long preamble, the zip reader a C++ prefix."""
+    text = str(e)
+    if "WeightsUnpickler error:" in text:
+        text = "unpickling failed: " + text.split("WeightsUnpickler error:", 1)[1].strip()
+    text = re.sub(r"^\[enforce fail at [^\]]*\]\s*\.?\s*", "", text.strip())
+    first = text.splitlines()[0] if text else ""
+    first = first if len(first) <= 100 else first[:97] + "..."
+    return f"{type(e).__name__}: {first}" if first else type(e).__name__
 
 
 def _first_line(e: BaseException) -> str:

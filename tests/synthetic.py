@@ -5,6 +5,7 @@ The model has three FSDP instances with deliberately awkward sizes:
   "decoder.layers.0" 38 elements, ties fc1.weight -> fc_tied.weight (a tie in a NESTED instance)
   "decoder.layers.1"  3 elements (fewer than most output shard counts)
 plus a float buffer and an int buffer. Metadata follows `FSDP.local_metadata_dict()`.
+Other structures (e.g. drawn by hypothesis) go through `make_model(instances=...)`.
 """
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ from typing import Any
 import torch
 from fairscale.nn.data_parallel import FullyShardedDataParallel
 
-INSTANCES: tuple[tuple[str, tuple[tuple[str, tuple[int, ...]], ...], tuple[tuple[str, str], ...]], ...] = (
+# (fsdp_path, ((name, shape), ...), ((tied src, tied dst), ...)) per FSDP instance, root first.
+Instances = tuple[tuple[str, tuple[tuple[str, tuple[int, ...]], ...], tuple[tuple[str, str], ...]], ...]
+INSTANCES: Instances = (
     (
         "",
         (("decoder.embed_tokens.weight", (7, 3)), ("decoder.layer_norm.weight", (3,)), ("decoder.layer_norm.bias", (3,))),
@@ -48,31 +51,39 @@ def join(prefix: str, name: str) -> str:
 class SyntheticModel:
     params: dict[str, torch.Tensor]  # full name -> full tensor, original shape
     buffers: dict[str, torch.Tensor]
+    instances: Instances = INSTANCES
 
     def flat(self, idx: int) -> torch.Tensor:
         """Full (unsharded, unpadded) flat parameter of FSDP instance `idx`."""
-        path, specs, _ = INSTANCES[idx]
+        path, specs, _ = self.instances[idx]
         return torch.cat([self.params[join(path, name)].reshape(-1) for name, _ in specs])
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """What an unflattened consolidation must produce: params, tied copies, buffers."""
         out = dict(self.params)
-        for path, _, ties in INSTANCES:
+        for path, _, ties in self.instances:
             for src, dst in ties:
                 out[join(path, dst)] = self.params[join(path, src)]
         out.update(self.buffers)
         return out
 
 
-def make_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> SyntheticModel:
+def make_model(
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    *,
+    instances: Instances = INSTANCES,
+    buffers: dict[str, torch.Tensor] | None = None,
+) -> SyntheticModel:
     gen = torch.Generator().manual_seed(seed)
     params = {
         join(path, name): torch.randn(shape, generator=gen).to(dtype)
-        for path, specs, _ in INSTANCES
+        for path, specs, _ in instances
         for name, shape in specs
     }
-    buffers = {"decoder.version": torch.tensor([3.0]), "decoder.layers.0.position_ids": torch.arange(4)}
-    return SyntheticModel(params, buffers)
+    if buffers is None:
+        buffers = {"decoder.version": torch.tensor([3.0]), "decoder.layers.0.position_ids": torch.arange(4)}
+    return SyntheticModel(params, buffers, instances)
 
 
 def shard_flat(flat: torch.Tensor, world_size: int, rank: int) -> tuple[torch.Tensor, int]:
@@ -83,7 +94,7 @@ def shard_flat(flat: torch.Tensor, world_size: int, rank: int) -> tuple[torch.Te
 
 def make_metadata(model: SyntheticModel, world_size: int, rank: int, *, legacy: bool = False) -> dict[str, Any]:
     param_metadata = []
-    for idx, (path, specs, ties) in enumerate(INSTANCES):
+    for idx, (path, specs, ties) in enumerate(model.instances):
         _, pad = shard_flat(model.flat(idx), world_size, rank)
         entry: dict[str, Any] = {"fsdp_path": path, "params": {"flat_param_0": {
             "names": [name for name, _ in specs],
@@ -111,7 +122,7 @@ def make_shards(
     for rank in range(world_size):
         model_sd: dict[str, Any] = {}
         state = {}
-        for idx, (path, _, _) in enumerate(INSTANCES):
+        for idx, (path, _, _) in enumerate(model.instances):
             shard, _ = shard_flat(model.flat(idx), world_size, rank)
             model_sd[join(path, "flat_param_0")] = shard
             step_value = STEP if step == "int" else torch.tensor(float(STEP))
@@ -131,7 +142,7 @@ def make_shards(
             ckpt["last_optimizer_state"] = {
                 "state": state,
                 "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.98), "eps": 1e-8, "weight_decay": 0.0,
-                                  "params": list(range(len(INSTANCES)))}],
+                                  "params": list(range(len(model.instances)))}],
                 "loss_scale": LOSS_SCALE,
             }
         shards.append(ckpt)

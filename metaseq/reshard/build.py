@@ -23,7 +23,7 @@ from metaseq.reshard.optim import (
     consolidated_optimizer_targets,
     flat_optimizer_targets,
 )
-from metaseq.reshard.ranges import Piece, Target, materialize_targets, plan_range, shard_range
+from metaseq.reshard.ranges import Allocate, Piece, Target, materialize_targets, plan_range, shard_range
 from metaseq.reshard.schema import ReshardError
 
 __all__ = [
@@ -126,13 +126,23 @@ def _cast(dtype: torch.dtype, output_dtype: torch.dtype | None) -> torch.dtype:
     return output_dtype if output_dtype is not None and dtype.is_floating_point else dtype
 
 
-def build_output_shard(source: ReshardSource, options: ReshardOptions, rank: int, fetch: Fetch) -> dict[str, Any]:
+def build_output_shard(
+    source: ReshardSource,
+    options: ReshardOptions,
+    rank: int,
+    fetch: Fetch,
+    *,
+    allocate: Allocate = torch.empty,
+    on_copied: Callable[[int], None] | None = None,
+) -> dict[str, Any]:
     """Output shard `rank`: fresh, compact tensors; every other top-level key from input rank 0.
 
     `fetch(r)` returns input r's dict; it is called once per input that holds a needed
-    piece, in rank order, plus once more for rank 0's carried keys.
+    piece, in rank order, plus once more for rank 0's carried keys. Every tensor comes
+    from `allocate` (see `materialize_targets`); `on_copied(nbytes)` reports progress.
     """
-    tensors = materialize_targets(plan_targets(source, options, rank), fetch)
+    targets = plan_targets(source, options, rank)
+    tensors = materialize_targets(targets, fetch, allocate=allocate, on_copied=on_copied)
     return _assemble(source, options, rank, fetch(0), tensors)
 
 

@@ -1,9 +1,9 @@
 """File-level resharding: find the input shards, plan, then write one output shard at a time.
 
 Memory: planning loads each input with mmap and keeps only a skeleton (tensors on
-the meta device), so no tensor data is read. Writing builds one output shard at a
-time, re-opening (mmap) only the inputs it needs, one after the other, and
-releasing them; peak memory is about one output shard plus the pages being copied.
+the meta device), so no tensor data is read. Writing (`metaseq.reshard.parallel`)
+builds one output shard at a time per process, mmap-opening only the inputs it
+needs; peak memory is about one output shard per process plus the pages being copied.
 """
 from __future__ import annotations
 
@@ -16,16 +16,12 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from metaseq.file_io import atomic_torch_save, load_checkpoint, natural_sort_key
-from metaseq.reshard.build import (
-    ReshardOptions,
-    ReshardSource,
-    analyze_shards,
-    build_output_shard,
-    make_options,
-    plan_targets,
-)
+from metaseq.file_io import load_checkpoint, natural_sort_key
+from metaseq.reshard.build import ReshardOptions, ReshardSource, analyze_shards, make_options, plan_targets
+from metaseq.reshard.parallel import list_jobs, write_jobs
+from metaseq.reshard.progress import Progress
 from metaseq.reshard.schema import ReshardError
+from metaseq.reshard.verify import check_input_checksums, verify_reshard_outputs
 
 __all__ = [
     "ReshardPlan",
@@ -34,6 +30,7 @@ __all__ = [
     "output_shard_paths",
     "plan_reshard_fsdp",
     "reshard_fsdp_checkpoints",
+    "summarize_plan",
     "write_reshard_outputs",
 ]
 
@@ -162,34 +159,19 @@ def plan_reshard_fsdp(
     return ReshardPlan(tuple(inputs), tuple(outputs), source, options, trust_checkpoint)
 
 
-def write_reshard_outputs(plan: ReshardPlan) -> list[str]:
-    """Write every output shard atomically; on any failure remove the ones this call wrote."""
-    def fetch(rank: int) -> dict[str, Any]:
-        return load_checkpoint(plan.inputs[rank], mmap=True, trust=plan.trust_checkpoint)
+def write_reshard_outputs(
+    plan: ReshardPlan, *, num_workers: int = 1, progress: Progress | None = None, checksums: bool = False
+) -> list[str]:
+    """Write every output shard atomically, with `num_workers` processes (see `metaseq.reshard.parallel`).
 
-    logger.info("resharding %s", _summary(plan))
-    written: list[str] = []
-    try:
-        for rank, path in enumerate(plan.outputs):
-            shard = build_output_shard(plan.source, plan.options, rank, fetch)
-            try:
-                atomic_torch_save(shard, path)
-            except OSError as e:
-                raise ReshardError(f"{path}: cannot write ({e.strerror or e})") from e
-            del shard
-            written.append(path)
-            logger.info("wrote %s (%d bytes)", path, os.path.getsize(path))
-    except BaseException:
-        for path in written:
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
-        raise
-    return written
+    On any failure the outputs this call wrote are removed. `checksums`: store zip CRC32s.
+    """
+    logger.info("resharding %s", summarize_plan(plan))
+    return write_jobs([plan], list_jobs([plan]), num_workers=num_workers, progress=progress, checksums=checksums)
 
 
-def _summary(plan: ReshardPlan) -> str:
+def summarize_plan(plan: ReshardPlan) -> str:
+    """`8 shard(s) -> 2 flat shard(s); optimizer state kept; dtype unchanged`."""
     opts = plan.options
     form = "unflattened" if opts.unflatten else "flat"
     src = "1 unflattened input" if plan.source.model.unflattened else f"{len(plan.inputs)} shard(s)"
@@ -201,7 +183,7 @@ def _summary(plan: ReshardPlan) -> str:
 def describe_reshard_plan(plan: ReshardPlan) -> list[str]:
     """Human-readable plan: inputs, N -> M, per output its tensor bytes and the input ranges it reads."""
     lines = [f"inputs ({len(plan.inputs)}):"] + [f"  {path}" for path in plan.inputs]
-    lines.append(f"plan: {_summary(plan)}")
+    lines.append(f"plan: {summarize_plan(plan)}")
     for rank, path in enumerate(plan.outputs):
         targets = plan_targets(plan.source, plan.options, rank)
         nbytes = sum(t.nbytes for t in targets)
@@ -239,6 +221,8 @@ def reshard_fsdp_checkpoints(
     overwrite: bool = False,
     trust_checkpoint: bool = False,
     dry_run: bool = False,
+    verify: bool = False,
+    num_workers: int = 1,
 ) -> list[str]:
     """Reshard the FSDP shards of one model part into `num_output_shards` files; returns their paths.
 
@@ -247,6 +231,9 @@ def reshard_fsdp_checkpoints(
                                  "out/reshard-model_part-0.pt",
                                  unflatten_weights=True, skip_optimizer_state=True)
     With `dry_run`, the plan is logged and nothing is written (the paths are still returned).
+    With `verify`, every input byte is checked against its zip CRC32 before writing and the
+    outputs are compared with the inputs afterwards (see `metaseq.reshard.verify`), and the
+    outputs get zip CRC32s too. `num_workers` > 1 writes outputs in parallel processes.
     Raises ReshardError (or CheckpointLoadError) before writing anything when inputs or options are wrong.
     """
     plan = plan_reshard_fsdp(
@@ -264,4 +251,9 @@ def reshard_fsdp_checkpoints(
         for line in describe_reshard_plan(plan):
             logger.info("%s", line)
         return list(plan.outputs)
-    return write_reshard_outputs(plan)
+    if verify:
+        check_input_checksums(plan)  # before writing: a corrupt input writes nothing
+    written = write_reshard_outputs(plan, num_workers=num_workers, checksums=verify)
+    if verify:
+        logger.info("%s", verify_reshard_outputs(plan))
+    return written

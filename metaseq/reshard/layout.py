@@ -15,7 +15,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
-from metaseq.reshard.ranges import Segment
+from metaseq.reshard.ranges import Segment, shard_range
 from metaseq.reshard.schema import ReshardError, ShardMetadata, clean_key, join_key
 
 __all__ = [
@@ -263,7 +263,7 @@ def _flat_sources(
             lengths.append(tensor.numel())
             keeps.append(tensor.numel() - pad)
             segments.append(Segment(r, ("model", actual), tensor.numel() - pad))
-        _check_consumed(fp, sum(keeps))
+        _check_consumed(fp, keeps, labels)
         padded.append(tuple(lengths))
         kept.append(tuple(keeps))
         sources.append(tuple(segments))
@@ -281,17 +281,28 @@ def _check_padding(fp: FlatParam, length: int, pad: Any, ref_length: int | None,
         )
 
 
-def _check_consumed(fp: FlatParam, total: int) -> None:
+def _check_consumed(fp: FlatParam, keeps: Sequence[int], labels: Sequence[str]) -> None:
+    total = sum(keeps)
     if total < fp.numel:
         detail = f"consumed {total} of {fp.numel} elements"
     elif total > fp.numel:
         detail = f"{total - fp.numel} elements left over after consuming all {fp.numel}"
     else:
         return
+    suspect = _first_off_rule(fp.numel, keeps, labels)
     raise ReshardError(
-        f"flat parameter '{fp.key}': the shards hold {total} elements after removing padding but "
+        f"{suspect}flat parameter '{fp.key}': the shards hold {total} elements after removing padding but "
         f"shard_metadata numels add up to {fp.numel} ({detail}); are the shards complete and from one checkpoint?"
     )
+
+
+def _first_off_rule(numel: int, keeps: Sequence[int], labels: Sequence[str]) -> str:
+    """'LABEL: ' of the first input whose unpadded length is not what FSDP's split gives it, or ''."""
+    for rank, (kept, label) in enumerate(zip(keeps, labels)):
+        start, end, _ = shard_range(numel, len(keeps), rank)
+        if kept != end - start:
+            return f"{label}: "
+    return ""
 
 
 def _unflattened_sources(

@@ -154,23 +154,47 @@ def _consolidated_entries(
     if unknown:
         raise ReshardError(f"{label}: {OPTIM}.state has id {unknown[0]!r} but shard_metadata lists {total} parameters")
     entries = {}
+    per_element = _per_element_names(state, model)
     for k, ids in by_flat.items():
         present = [g for g in ids if g in state]
         if len(present) not in (0, len(ids)):
             missing = sorted(set(ids) - set(present))
             raise ReshardError(f"{label}: {OPTIM}.state lacks parameters {missing} of flat parameter '{model.flat_params[k].key}'")
         if present:
-            entries[k] = _consolidated_flat_param(state, model, k, ids, label)
+            entries[k] = _consolidated_flat_param(state, model, k, ids, label, per_element)
     return entries
 
 
+def _per_element_names(state: Mapping[int, Mapping[str, Any]], model: ModelLayout) -> frozenset[str]:
+    """State names with one value per parameter element (Adam's moments), not a scalar (step).
+
+    For a 0-dim parameter both are 0-dim tensors; such a name is per-element when it has
+    dims for some other parameter, or is not "step" and has the parameter's shape everywhere.
+    """
+    shapes = {g: model.flat_params[k].shapes[j] for g, k, j in global_params(model)}
+    names = {name for entry in state.values() for name in entry}
+
+    def per_element(name: str) -> bool:
+        values = [(g, entry[name]) for g, entry in state.items() if name in entry]
+        if any(torch.is_tensor(v) and v.dim() > 0 for _, v in values):
+            return True
+        return name != "step" and all(torch.is_tensor(v) and v.shape == shapes.get(g) for g, v in values)
+
+    return frozenset(n for n in names if per_element(n))
+
+
 def _consolidated_flat_param(
-    state: Mapping[int, Mapping[str, Any]], model: ModelLayout, k: int, ids: Sequence[int], label: str
+    state: Mapping[int, Mapping[str, Any]],
+    model: ModelLayout,
+    k: int,
+    ids: Sequence[int],
+    label: str,
+    per_element: frozenset[str],
 ) -> tuple[StateEntry, ...]:
     fp = model.flat_params[k]
     entries = []
     for name, first in state[ids[0]].items():
-        if not (torch.is_tensor(first) and first.dim() > 0):
+        if name not in per_element:
             gathered = isinstance(first, list) and bool(first) and all(_is_scalar_tensor(v) for v in first)
             entries.append(StateEntry(name, values=tuple(first) if gathered else (first,), gathered=gathered))
             continue

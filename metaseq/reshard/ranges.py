@@ -24,6 +24,7 @@ __all__ = [
 ]
 
 Fetch = Callable[[int], Mapping[str, Any]]
+Allocate = Callable[..., torch.Tensor]  # (shape, *, dtype) -> tensor, like torch.empty
 
 
 class Segment(NamedTuple):
@@ -96,16 +97,25 @@ def resolve_path(obj: Any, path: Sequence[Any]) -> Any:
     return obj
 
 
-def materialize_targets(targets: Sequence[Target], fetch: Fetch) -> dict[tuple[Any, ...], torch.Tensor]:
+def materialize_targets(
+    targets: Sequence[Target],
+    fetch: Fetch,
+    *,
+    allocate: Allocate = torch.empty,
+    on_copied: Callable[[int], None] | None = None,
+) -> dict[tuple[Any, ...], torch.Tensor]:
     """Allocate every target and copy its pieces in, visiting each input rank once.
 
     Inputs are fetched in rank order and dropped before the next one, so with
-    mmap-loaded files only one input's touched pages are alive at a time.
+    mmap-loaded files only one input's touched pages are alive at a time. Elements
+    no piece covers (padding) are zeroed, so `allocate(shape, dtype=...)` may
+    return uninitialized or reused memory. `on_copied(nbytes)` is called after each input.
     """
-    out = {t.path: torch.zeros(t.shape, dtype=t.dtype) for t in targets}
+    out = {t.path: allocate(t.shape, dtype=t.dtype) for t in targets}
     by_rank: dict[int, list[tuple[torch.Tensor, Piece]]] = defaultdict(list)
     for t in targets:
         flat_dst = out[t.path].view(-1)
+        _zero_uncovered(flat_dst, t.pieces)
         for piece in t.pieces:
             by_rank[piece.rank].append((flat_dst, piece))
     for rank in sorted(by_rank):
@@ -115,4 +125,17 @@ def materialize_targets(targets: Sequence[Target], fetch: Fetch) -> dict[tuple[A
             dst = flat_dst[piece.dst_start : piece.dst_start + piece.length]
             dst.copy_(src[piece.src_start : piece.src_start + piece.length])
         del shard, src
+        if on_copied is not None:
+            on_copied(sum(p.length * f.element_size() for f, p in by_rank[rank]))
     return out
+
+
+def _zero_uncovered(flat: torch.Tensor, pieces: Sequence[Piece]) -> None:
+    """Zero the elements of `flat` outside every piece's [dst_start, dst_start + length)."""
+    pos = 0
+    for piece in sorted(pieces, key=lambda p: p.dst_start):
+        if piece.dst_start > pos:
+            flat[pos : piece.dst_start].zero_()
+        pos = max(pos, piece.dst_start + piece.length)
+    if pos < flat.numel():
+        flat[pos:].zero_()

@@ -9,11 +9,16 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
+import threading
+from typing import Any
 
 from metaseq.file_io import CheckpointLoadError
 from metaseq.reshard.build import DTYPES, consolidate_shards, reshard_shards
-from metaseq.reshard.driver import describe_reshard_plan, plan_reshard_fsdp, reshard_fsdp_checkpoints
+from metaseq.reshard.distributed import World, detect_world
+from metaseq.reshard.driver import describe_reshard_plan, reshard_fsdp_checkpoints
+from metaseq.reshard.launch import reshard_model_parts
 from metaseq.reshard.schema import ReshardError
 
 __all__ = ["ReshardError", "consolidate_shards", "main", "reshard_fsdp_checkpoints", "reshard_shards"]
@@ -38,6 +43,18 @@ examples:
   python -m metaseq.scripts.reshard_fsdp --input out/reshard-model_part-0.pt \\
     --output "ckpts4/checkpoint_last-model_part-0-shard{i}.pt" --num-output-shards 4 \\
     --output-dtype fp16 --dry-run
+
+  # every model part ({j}) to 64 shards, on 2 nodes x 8 processes: rank r writes the
+  # (part, shard) jobs r, r + 16, ... (under Slurm: srun ... python -m metaseq.scripts.reshard_fsdp ...)
+  torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
+    -m metaseq.scripts.reshard_fsdp \\
+    --input "ckpts/checkpoint_last-model_part-{j}-shard*.pt" \\
+    --output "ckpts64/checkpoint_last-model_part-{j}-shard{i}.pt" --num-output-shards 64 --num-workers 1
+
+memory: one process holds one output shard at a time (peak about the largest output
+shard + the largest flat parameter + 256 MiB). --num-workers K writes K outputs at
+once in K processes, about K x (output shard + 160 MiB); by default K is the most
+that stays within that bound (often 1).
 """
 
 TRUE_WORDS = {"true", "1", "yes", "y", "on"}
@@ -79,9 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     parser.add_argument("--input-glob-pattern", "--input", dest="input_glob_pattern", required=True,
-                        help="glob of the input shards of ONE model part (quote it), or one consolidated file")
+                        help="glob of the input shards of ONE model part (quote it), or one consolidated file; "
+                        "'{j}' (also in --output-shard-name) stands for every model part found")
     parser.add_argument("--output-shard-name", "--output", dest="output_shard_name", required=True,
-                        help="output file name; '{i}' is replaced by the output shard index")
+                        help="output file name; '{i}' is replaced by the output shard index, '{j}' by the model part")
     parser.add_argument("--num-output-shards", type=int, default=1, help="number of output shards M (default 1)")
     _add_bool_flag(parser, "skip-optimizer-state", "drop last_optimizer_state from the outputs")
     _add_bool_flag(parser, "unflatten-weights", "write original parameter names and shapes (needs M = 1)")
@@ -91,13 +109,27 @@ def build_parser() -> argparse.ArgumentParser:
                         help="set extra_state['train_iterator'] to None (the data position)")
     parser.add_argument("--overwrite", action="store_true", help="replace existing output files")
     parser.add_argument("--trust-checkpoint", action="store_true",
-                        help="allow arbitrary pickled objects in the inputs (trusted files only)")
+                        help="allow arbitrary pickled objects in the inputs; unpickling can run code, "
+                        "so only for files from a source you trust")
+    parser.add_argument("--verify", action="store_true",
+                        help="check the inputs' CRC32s before writing, then re-read the outputs and check every "
+                        "tensor is bit-identical to the inputs (reads the inputs twice more, the outputs once)")
+    parser.add_argument("--num-workers", type=_positive_int, default=None, metavar="K",
+                        help="write K output files at once in K processes (default: as many as CPUs and the "
+                        "memory bound allow, see below)")
     parser.add_argument("--dry-run", action="store_true", help="print the plan and write nothing")
     parser.add_argument("--quiet", action="store_true", help="log warnings and errors only")
     return parser
 
 
-def _run(args: argparse.Namespace) -> int:
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _run(args: argparse.Namespace, world: World | None) -> int:
     kwargs = dict(
         num_output_shards=args.num_output_shards,
         unflatten_weights=args.unflatten_weights,
@@ -107,11 +139,12 @@ def _run(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
         trust_checkpoint=args.trust_checkpoint,
     )
-    if args.dry_run:
-        plan = plan_reshard_fsdp(args.input_glob_pattern, args.output_shard_name, **kwargs)
-        print("\n".join(describe_reshard_plan(plan)))  # the CLI's answer, on stdout
-        return 0
-    reshard_fsdp_checkpoints(args.input_glob_pattern, args.output_shard_name, **kwargs)
+    plans = reshard_model_parts(
+        args.input_glob_pattern, args.output_shard_name, plan_options=kwargs, num_workers=args.num_workers,
+        verify=args.verify, dry_run=args.dry_run, quiet=args.quiet, world=world,
+    )
+    if args.dry_run and (world is None or world.rank == 0):
+        print("\n".join(line for plan in plans for line in describe_reshard_plan(plan)))  # the answer, on stdout
     return 0
 
 
@@ -120,6 +153,21 @@ def _one_line(err: BaseException) -> str:
     if isinstance(err, (ReshardError, CheckpointLoadError, OSError)):
         return text
     return f"{type(err).__name__}: {text}"
+
+
+class _Terminated(SystemExit):
+    """SIGTERM (e.g. torchrun stopping the other ranks) as an exception: outputs are removed on the way out."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise _Terminated(2)
+
+
+def _on_sigterm(handler: Any) -> Any:
+    """Install `handler` for SIGTERM where Python allows it (main thread); returns the previous one."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, handler)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,15 +179,22 @@ def main(argv: list[str] | None = None) -> int:
     package_logger.addHandler(handler)
     package_logger.setLevel(logging.INFO)
     package_logger.propagate = False
+    previous_sigterm = _on_sigterm(_raise_terminated)
     try:
         args = build_parser().parse_args(argv)
-        if args.quiet:
+        world = detect_world()  # torchrun / srun: only rank 0 logs progress
+        if args.quiet or (world is not None and world.rank != 0):
             package_logger.setLevel(logging.WARNING)
-        return _run(args)
+        return _run(args, world)
     except Exception as err:  # noqa: BLE001 -- any error: one line, no traceback
         logger.error("%s", _one_line(err))
         return 2
+    except _Terminated:
+        logger.error("terminated by SIGTERM; any outputs of this run were removed")
+        return 2
     finally:
+        if previous_sigterm is not None:
+            _on_sigterm(previous_sigterm)
         package_logger.removeHandler(handler)
         package_logger.setLevel(saved[0])
         package_logger.propagate = saved[1]

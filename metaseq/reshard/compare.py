@@ -1,0 +1,333 @@
+"""Compare two checkpoints of one model part tensor by tensor, whatever their sharding.
+
+A checkpoint (N flat FSDP shards, an unflattened file as `--unflatten-weights` writes,
+or a plain state dict) is opened as a `TensorSet`: each original parameter, tensor
+buffer and per-element optimizer state is a `Target` planned by the reshard library
+itself (`plan_targets` with unflatten, i.e. consolidation) and read on demand from
+mmap-loaded files. Comparing two sets holds one tensor of each side at a time, so
+memory is about twice the largest parameter, not the model.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from metaseq.file_io import load_checkpoint, load_checkpoint_skeleton
+from metaseq.reshard.build import ReshardOptions, ReshardSource, analyze_shards, plan_targets
+from metaseq.reshard.layout import global_params
+from metaseq.reshard.optim import LAYOUT_KEYS, OPTIM
+from metaseq.reshard.ranges import Piece, Target, materialize_targets
+from metaseq.reshard.schema import ReshardError, clean_key
+
+__all__ = [
+    "Comparison",
+    "Difference",
+    "MmapFiles",
+    "TensorSet",
+    "compare_tensor_sets",
+    "describe_comparison",
+    "open_tensor_set",
+    "tensor_set_from_source",
+]
+
+CHUNK_ELEMENTS = 1 << 24  # differences are computed in float64 chunks of this many elements
+OptimKey = tuple[str, str]  # (parameter name, state name), e.g. ("decoder.x.weight", "exp_avg")
+
+
+class MmapFiles:
+    """`fetch(rank)` for `materialize_targets`: each file mmap-loaded on first use and kept.
+
+    Keeping them costs address space, not memory: only the pages read are resident,
+    and the kernel can drop them again.
+    """
+
+    def __init__(self, paths: Sequence[str], trust: bool) -> None:
+        self.paths, self.trust = tuple(paths), trust
+        self.loaded: dict[int, dict[str, Any]] = {}
+
+    def __call__(self, rank: int) -> dict[str, Any]:
+        if rank not in self.loaded:
+            self.loaded[rank] = load_checkpoint(self.paths[rank], mmap=True, trust=self.trust)
+        return self.loaded[rank]
+
+
+@dataclass(frozen=True)
+class TensorSet:
+    """The named tensors of one checkpoint, in unflattened form, read on demand."""
+
+    paths: tuple[str, ...]
+    form: str  # for reports: "4 flat shards", "1 unflattened file", "a plain state dict"
+    model: dict[str, Target]  # original parameter names (tied ones included) and tensor buffers
+    buffers: frozenset[str]
+    optim: dict[OptimKey, Target] | None  # None: no optimizer state, skipped, or not comparable
+    optim_scalars: dict[OptimKey, Any]  # e.g. step, as a plain number
+    optim_settings: dict[str, Any]  # param_groups without their "params" ids, loss_scale, ...
+    fetch: MmapFiles
+    note: str = ""  # why optimizer state cannot be compared, if so
+
+    def read(self, target: Target) -> torch.Tensor:
+        return materialize_targets([target], self.fetch)[target.path]
+
+
+def open_tensor_set(
+    paths: Sequence[str], *, trust: bool = False, skip_optimizer_state: bool = False
+) -> TensorSet:
+    """Validate and open the files of one checkpoint (ordered by shard index); reads only pickles."""
+    skeletons = [load_checkpoint_skeleton(p, trust=trust) for p in paths]
+    fetch = MmapFiles(paths, trust)
+    if len(paths) == 1 and "shard_metadata" not in skeletons[0] and not _has_flat_params(skeletons[0]):
+        return _plain_tensor_set(paths[0], skeletons[0], fetch, skip_optimizer_state)
+    source = analyze_shards(skeletons, list(paths), ReshardOptions(skip_optimizer_state=skip_optimizer_state))
+    return tensor_set_from_source(source, skeletons[0], fetch)
+
+
+def _has_flat_params(checkpoint: Mapping[str, Any]) -> bool:
+    """An FSDP shard saved without its metadata: analyze_shards explains why that cannot work."""
+    model = checkpoint.get("model")
+    return isinstance(model, Mapping) and any("flat_param_" in str(k) for k in model)
+
+
+def tensor_set_from_source(
+    source: ReshardSource, shard0: Mapping[str, Any], fetch: MmapFiles, output_dtype: torch.dtype | None = None
+) -> TensorSet:
+    """Every tensor of an analyzed checkpoint as a consolidation would write it.
+
+    `shard0` is the first file's dict (a skeleton is enough); `output_dtype` casts
+    floating model tensors like `--output-dtype` does.
+    """
+    layout = source.model
+    names = {g: layout.flat_params[k].names[j] for g, k, j in global_params(layout)}
+    model: dict[str, Target] = {}
+    optim: dict[OptimKey, Target] | None = None if source.optim is None else {}
+    for target in plan_targets(source, ReshardOptions(unflatten=True, output_dtype=output_dtype), 0):
+        if target.path[0] == "model":
+            model[target.path[1]] = target
+        else:  # (OPTIM, "state", global id, state name)
+            optim[(names[target.path[2]], target.path[3])] = target
+    own = {}  # an unflattened file stores each tied copy under its own name
+    if layout.unflattened:
+        own = {clean_key(str(k)): (k, v) for k, v in shard0["model"].items() if torch.is_tensor(v)}
+    for src, dst in layout.ties:
+        model[dst] = _tie_target(model[src], dst, own, output_dtype)
+    buffers = frozenset(e.key for e in layout.extras if e.shape is not None)
+    files = len(fetch.paths)
+    form = "1 unflattened file" if layout.unflattened else f"{files} flat shard{'s' if files > 1 else ''}"
+    scalars, settings = ({}, {}) if source.optim is None else _optim_scalars(source, names, shard0[OPTIM])
+    return TensorSet(fetch.paths, form, model, buffers, optim, scalars, settings, fetch)
+
+
+def _tie_target(
+    src: Target, dst: str, own: Mapping[str, tuple[Any, torch.Tensor]], output_dtype: torch.dtype | None
+) -> Target:
+    """A tied copy: read from its own tensor where the file has one (unflattened), else from `src`."""
+    if dst not in own:
+        return src._replace(path=("model", dst))
+    key, tensor = own[dst]
+    n = tensor.numel()
+    pieces = (Piece(0, ("model", key), 0, 0, n),) if n else ()
+    dtype = output_dtype if output_dtype is not None and tensor.dtype.is_floating_point else tensor.dtype
+    return Target(("model", dst), tensor.shape, dtype, pieces)
+
+
+def _optim_scalars(
+    source: ReshardSource, names: Mapping[int, str], osd0: Mapping[str, Any]
+) -> tuple[dict[OptimKey, Any], dict[str, Any]]:
+    scalars = {}
+    for g, k, _ in global_params(source.model):
+        for entry in source.optim.entries.get(k, ()):
+            if entry.segments is None:
+                scalars[(names[g], entry.name)] = _plain_scalar(entry.values[0])
+    settings = {key: value for key, value in osd0.items() if key not in (*LAYOUT_KEYS, "param_groups")}
+    settings["param_groups"] = [{k: v for k, v in group.items() if k != "params"} for group in osd0["param_groups"]]
+    return scalars, settings
+
+
+def _plain_scalar(value: Any) -> Any:
+    """`step` as saved flat (0-dim tensor or int) or consolidated (number, per-rank list) -> a number."""
+    if isinstance(value, list) and value:
+        value = value[0]
+    if torch.is_tensor(value):
+        return value.item() if value.numel() == 1 else value.tolist()
+    return value
+
+
+def _plain_tensor_set(path: str, skeleton: Mapping[str, Any], fetch: MmapFiles, skip_optimizer_state: bool) -> TensorSet:
+    """A file without shard_metadata: `model` (or the whole dict) holds named tensors."""
+    state_dict, prefix = skeleton.get("model"), ("model",)
+    if not isinstance(state_dict, Mapping):
+        if not skeleton or not all(torch.is_tensor(v) for v in skeleton.values()):
+            raise ReshardError(f"{path}: neither FSDP shards nor a state dict (no 'model' dict of tensors)")
+        state_dict, prefix = skeleton, ()
+    model = {}
+    for key, value in state_dict.items():
+        if torch.is_tensor(value):
+            n = value.numel()
+            pieces = (Piece(0, (*prefix, key), 0, 0, n),) if n else ()
+            model[clean_key(str(key))] = Target(("model", clean_key(str(key))), value.shape, value.dtype, pieces)
+    note = ""
+    if skeleton.get(OPTIM) is not None and not skip_optimizer_state:
+        note = f"{path} has no shard_metadata, so its optimizer state ids cannot be matched to parameter names"
+    return TensorSet((path,), "a plain state dict", model, frozenset(), None, {}, {}, fetch, note)
+
+
+@dataclass(frozen=True)
+class Difference:
+    name: str  # a parameter, "optimizer exp_avg of <parameter>", or "optimizer <setting>"
+    detail: str  # "max abs diff 0.25", "only in A", "shape [3] vs [4]", ...
+
+
+@dataclass
+class Comparison:
+    model_tensors: int = 0  # compared on both sides
+    optimizer_tensors: int = 0
+    optimizer_scalars: int = 0
+    optimizer_compared: bool = False
+    differences: list[Difference] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def equal(self) -> bool:
+        return not self.differences
+
+
+def compare_tensor_sets(
+    a: TensorSet, b: TensorSet, *, atol: float = 0.0, exact_dtype: bool = False
+) -> Comparison:
+    """Compare every tensor by name, one pair in memory at a time.
+
+    Values are equal when their max abs difference is at most `atol` (NaN equals only
+    NaN); with `exact_dtype` they must also have the same dtype and identical bits.
+    Optimizer state is compared only when both sides have it (a note says otherwise).
+    """
+    result = Comparison()
+    result.model_tensors = _compare_targets(a, b, a.model, b.model, str, atol, exact_dtype, result)
+    if a.optim is None or b.optim is None:
+        result.notes += [s.note for s in (a, b) if s.note]
+        if (a.optim is None) != (b.optim is None) and not any(s.note for s in (a, b)):
+            result.notes.append(f"optimizer state only in {'A' if b.optim is None else 'B'}; not compared")
+        return result
+    result.optimizer_compared = True
+    result.optimizer_tensors = _compare_targets(a, b, a.optim, b.optim, _optim_name, atol, exact_dtype, result)
+    result.optimizer_scalars = _compare_values(a.optim_scalars, b.optim_scalars, _optim_name, result)
+    _compare_values(a.optim_settings, b.optim_settings, lambda key: f"optimizer {key}", result)
+    return result
+
+
+def _optim_name(key: OptimKey) -> str:
+    return f"optimizer {key[1]} of {key[0]}"
+
+
+def _compare_targets(
+    a: TensorSet,
+    b: TensorSet,
+    ta: Mapping[Any, Target],
+    tb: Mapping[Any, Target],
+    label: Callable[[Any], str],
+    atol: float,
+    exact_dtype: bool,
+    result: Comparison,
+) -> int:
+    result.differences += [Difference(label(k), "only in A") for k in ta if k not in tb]
+    result.differences += [Difference(label(k), "only in B") for k in tb if k not in ta]
+    compared, dtypes = 0, set()
+    for key in [k for k in ta if k in tb]:
+        x_target, y_target = ta[key], tb[key]
+        if x_target.shape != y_target.shape:
+            result.differences.append(Difference(label(key), f"shape {list(x_target.shape)} vs {list(y_target.shape)}"))
+            continue
+        if x_target.dtype != y_target.dtype:
+            dtypes.add((x_target.dtype, y_target.dtype))
+        detail = tensor_difference(a.read(x_target), b.read(y_target), atol=atol, exact_dtype=exact_dtype)
+        if detail is not None:
+            result.differences.append(Difference(label(key), detail))
+        compared += 1
+    for x, y in sorted(dtypes, key=str):
+        result.notes.append(f"some tensors are {_dtype(x)} in A and {_dtype(y)} in B; their values were compared")
+    return compared
+
+
+def _compare_values(va: Mapping, vb: Mapping, label: Callable[[Any], str], result: Comparison) -> int:
+    result.differences += [Difference(label(k), "only in A") for k in va if k not in vb]
+    result.differences += [Difference(label(k), "only in B") for k in vb if k not in va]
+    common = [k for k in va if k in vb]
+    for key in common:
+        if not _same_value(va[key], vb[key]):
+            result.differences.append(Difference(label(key), f"{_short(va[key])} vs {_short(vb[key])}"))
+    return len(common)
+
+
+def _same_value(x: Any, y: Any) -> bool:
+    if torch.is_tensor(x) or torch.is_tensor(y):
+        return torch.is_tensor(x) and torch.is_tensor(y) and x.shape == y.shape and bool(torch.equal(x, y))
+    if isinstance(x, Mapping) and isinstance(y, Mapping):
+        return x.keys() == y.keys() and all(_same_value(x[k], y[k]) for k in x)
+    if isinstance(x, (list, tuple)) and isinstance(y, (list, tuple)):
+        return len(x) == len(y) and all(_same_value(i, j) for i, j in zip(x, y))
+    return bool(x == y)
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _dtype(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def tensor_difference(x: torch.Tensor, y: torch.Tensor, *, atol: float = 0.0, exact_dtype: bool = False) -> str | None:
+    """None when equal (see `compare_tensor_sets`), else what differs, e.g. "max abs diff 0.25"."""
+    if exact_dtype and x.dtype != y.dtype:
+        return f"dtype {_dtype(x.dtype)} vs {_dtype(y.dtype)}"
+    if x.dtype == y.dtype and torch.equal(_bits(x), _bits(y)):
+        return None
+    diff = max_abs_diff(x, y)
+    if exact_dtype:
+        return f"max abs diff {diff:.6g}" + (" (same values, different bits)" if diff == 0 else "")
+    return None if diff <= atol else f"max abs diff {diff:.6g}"
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bits as integers, so that NaN payloads and -0.0 compare exactly."""
+    if not t.is_floating_point():
+        return t
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def max_abs_diff(x: torch.Tensor, y: torch.Tensor) -> float:
+    """max |x - y| in float64, chunk by chunk; equal infinities and NaN against NaN count as 0."""
+    xs, ys, worst = x.reshape(-1), y.reshape(-1), 0.0
+    for start in range(0, xs.numel(), CHUNK_ELEMENTS):
+        dx = xs[start : start + CHUNK_ELEMENTS].double()
+        dy = ys[start : start + CHUNK_ELEMENTS].double()
+        same = (dx == dy) | (dx.isnan() & dy.isnan())
+        delta = torch.where(same, torch.zeros_like(dx), (dx - dy).abs())
+        if delta.isnan().any():
+            return float("nan")
+        worst = max(worst, delta.max().item())
+    return worst
+
+
+def describe_comparison(comparison: Comparison, a: TensorSet, b: TensorSet) -> list[str]:
+    """The report `compare_checkpoints` prints: what was compared, each difference, the verdict."""
+    lines = [f"A: {a.form}: {_paths(a.paths)}", f"B: {b.form}: {_paths(b.paths)}"]
+    counted = f"compared {comparison.model_tensors} model tensors"
+    if comparison.optimizer_compared:
+        counted += f", {comparison.optimizer_tensors} optimizer tensors"
+        counted += f" and {comparison.optimizer_scalars} optimizer scalars"
+    lines.append(counted)
+    lines += [f"note: {note}" for note in comparison.notes]
+    lines += [f"differs: {d.name}: {d.detail}" for d in comparison.differences]
+    if comparison.equal:
+        optimizer = " and optimizer state" if comparison.optimizer_compared else ""
+        lines.append(f"SAME: the checkpoints hold the same model{optimizer}")
+    else:
+        lines.append(f"DIFFERENT: {len(comparison.differences)} difference(s)")
+    return lines
+
+
+def _paths(paths: Sequence[str], limit: int = 2) -> str:
+    shown = ", ".join(paths[:limit])
+    return shown + (f", ... ({len(paths)} files)" if len(paths) > limit else "")

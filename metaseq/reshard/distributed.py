@@ -1,0 +1,152 @@
+"""One reshard run over several processes, launched by torchrun or Slurm's srun.
+
+    torchrun --nnodes 2 --nproc-per-node 4 -m metaseq.scripts.reshard_fsdp ...
+    srun --nodes 2 --ntasks-per-node 4 python -m metaseq.scripts.reshard_fsdp ...
+
+The ranks coordinate only through torch.distributed (gloo, `env://`). Rank 0 plans
+and broadcasts the plan or its error (`decide_on_rank_zero`); every later phase ends
+with an all_gather of the ranks' errors (`agree`), so a failure on any rank makes
+every rank raise the same message.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable, Mapping, TypeVar
+
+import torch.distributed as dist
+
+from metaseq.file_io import CheckpointLoadError
+from metaseq.reshard.schema import ReshardError
+
+__all__ = [
+    "World",
+    "agree",
+    "barrier",
+    "close_world",
+    "decide_on_rank_zero",
+    "detect_world",
+    "error_text",
+    "first_slurm_host",
+    "open_world",
+]
+
+T = TypeVar("T")
+# Collectives wait for the slowest rank's writes; a crashed rank is noticed sooner (closed connection).
+TIMEOUT = timedelta(hours=12)
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int
+    size: int
+    local_size: int = 1  # processes sharing this node's CPU mask (torchrun); Slurm gives each task its own
+    launcher: str = "torchrun"
+
+
+def detect_world(env: Mapping[str, str] | None = None) -> World | None:
+    """The launcher's world from its environment variables; None when this process runs alone.
+
+    torchrun: RANK, WORLD_SIZE, LOCAL_WORLD_SIZE (and MASTER_ADDR/MASTER_PORT).
+    Slurm: SLURM_PROCID and SLURM_NTASKS inside an srun step (SLURM_STEP_ID set); a
+    batch script itself is not an srun step, so it runs alone.
+    """
+    env = os.environ if env is None else env
+    if "RANK" in env and "WORLD_SIZE" in env:
+        size = int(env["WORLD_SIZE"])
+        return World(int(env["RANK"]), size, int(env.get("LOCAL_WORLD_SIZE", 1))) if size > 1 else None
+    if "SLURM_PROCID" in env and "SLURM_STEP_ID" in env:
+        size = int(env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS") or 1)
+        return World(int(env["SLURM_PROCID"]), size, 1, "slurm") if size > 1 else None
+    return None
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """The first host of a Slurm host list: `gpu[003-004,010],cpu1` -> `gpu003`."""
+    first = re.match(r"[^,\[]*(?:\[[^\]]*\][^,\[]*)*", nodelist.strip()).group(0)
+    return re.sub(r"\[([^\],-]+)[^\]]*\]", r"\1", first)
+
+
+def _slurm_rendezvous(env: Mapping[str, str]) -> dict[str, str]:
+    """MASTER_ADDR (the step's first node, where rank 0 runs) and MASTER_PORT (from the job id)."""
+    found = {}
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+    if "MASTER_ADDR" not in env and nodelist:
+        found["MASTER_ADDR"] = first_slurm_host(nodelist)
+    if "MASTER_PORT" not in env and env.get("SLURM_JOB_ID", "").isdigit():
+        found["MASTER_PORT"] = str(20000 + int(env["SLURM_JOB_ID"]) % 20000)
+    return found
+
+
+def open_world(world: World) -> bool:
+    """Join the gloo process group (reusing one already initialized); True when this call created it."""
+    if dist.is_initialized():
+        if dist.get_world_size() != world.size:
+            raise ReshardError(
+                f"a process group of {dist.get_world_size()} ranks exists but the launcher says {world.size}"
+            )
+        return False
+    if world.launcher == "slurm":
+        os.environ.update(_slurm_rendezvous(os.environ))
+    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(k)]
+    if missing:
+        raise ReshardError(
+            f"{world.launcher} rank {world.rank} of {world.size}: {' and '.join(missing)} not set; export them "
+            "(rank 0's host name and a free port) or launch with torchrun"
+        )
+    dist.init_process_group("gloo", init_method="env://", rank=world.rank, world_size=world.size, timeout=TIMEOUT)
+    return True
+
+
+def close_world(created: bool) -> None:
+    if created and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def error_text(err: BaseException) -> str:
+    """One line: the message of our own errors, `Type: message` for anything else."""
+    text = " ".join(str(err).split())
+    if isinstance(err, (ReshardError, CheckpointLoadError, OSError)):
+        return text
+    return f"{type(err).__name__}: {text}"
+
+
+def decide_on_rank_zero(world: World, fn: Callable[[], T]) -> T:
+    """Run `fn` on rank 0 only and give every rank its result; its error is raised on every rank."""
+    payload: list = [None]
+    if world.rank == 0:
+        try:
+            payload = [(True, fn())]
+        except Exception as e:  # noqa: BLE001 -- reported on every rank
+            payload = [(False, error_text(e))]
+    dist.broadcast_object_list(payload, src=0)
+    ok, value = payload[0]
+    if not ok:
+        raise ReshardError(value)
+    return value
+
+
+def agree(world: World, fn: Callable[[], T]) -> T:
+    """Run `fn` on every rank; if it failed anywhere, every rank raises the first failure's message."""
+    value, error = None, None
+    try:
+        value = fn()
+    except Exception as e:  # noqa: BLE001 -- reported on every rank
+        error = f"rank {world.rank} of {world.size}: {error_text(e)}"
+    errors: list = [None] * world.size
+    dist.all_gather_object(errors, error)
+    failed = [e for e in errors if e is not None]
+    if failed:
+        more = f" (and {len(failed) - 1} more rank(s) failed)" if len(failed) > 1 else ""
+        raise ReshardError(failed[0] + more)
+    return value
+
+
+def barrier() -> None:
+    """Wait for every rank; a rank that is gone is reported by gloo as an error, which is ignored here."""
+    try:
+        dist.barrier()
+    except RuntimeError:  # e.g. "Connection closed by peer"
+        pass

@@ -1,0 +1,121 @@
+"""Progress of a reshard run: a tqdm bar on a terminal, plain log lines otherwise, nothing with --quiet.
+
+Progress is counted in bytes of output tensors. Half of an output's bytes count
+when they have been copied from the inputs, the other half as its file is written,
+so the bar moves during both phases. Writers report through a `JobMeter`, which
+also works from worker processes (its `send` may put onto a queue).
+"""
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from typing import Callable, TextIO
+
+__all__ = ["JobMeter", "Progress", "make_progress"]
+
+logger = logging.getLogger(__name__)
+
+MODES = ("bar", "lines", "off")
+SEND_STEP_BYTES = 16 << 20  # a meter reports in steps of at least this much (few messages from workers)
+Send = Callable[[int, int], None]  # (job index, bytes done since the last report)
+
+
+class JobMeter:
+    """Progress of one output file: copied plus written bytes, halved, at most its tensor bytes."""
+
+    def __init__(self, job: int, job_bytes: int, send: Send | None) -> None:
+        self.job, self.job_bytes, self.send = job, job_bytes, send
+        self.moved = 0  # bytes copied in + bytes written out
+        self.reported = 0
+
+    def copied(self, nbytes: int) -> None:
+        self.moved += nbytes
+        self._report()
+
+    def written(self, nbytes: int) -> None:
+        self.moved += nbytes
+        self._report()
+
+    def _report(self) -> None:
+        credit = min(self.job_bytes, self.moved // 2)
+        if self.send is not None and credit - self.reported >= SEND_STEP_BYTES:
+            self.send(self.job, credit - self.reported)
+            self.reported = credit
+
+
+class Progress:
+    """Bytes done out of `total_bytes` over `num_files` outputs, shown as `mode` says.
+
+    "bar": a tqdm bar (bytes/s, ETA) on `stream`; "lines": one INFO line per output
+    written, with the same figures; "off": nothing. `advance` takes a job's partial
+    progress, `finish` completes it (late or excess reports of a finished job are ignored).
+    """
+
+    def __init__(self, total_bytes: int, num_files: int, *, mode: str = "lines", stream: TextIO | None = None,
+                 label: str = "reshard") -> None:
+        assert mode in MODES, mode
+        self.total, self.num_files, self.mode, self.label = total_bytes, num_files, mode, label
+        self.done = self.files = 0
+        self.credited: dict[int, int] = {}
+        self.finished: set[int] = set()
+        self.start = time.monotonic()
+        self.bar = _make_bar(total_bytes, label, stream or sys.stderr) if mode == "bar" else None
+
+    def advance(self, job: int, nbytes: int) -> None:
+        if job in self.finished:
+            return
+        self.credited[job] = self.credited.get(job, 0) + nbytes
+        self._add(nbytes)
+
+    def finish(self, job: int, job_bytes: int, path: str, file_bytes: int) -> None:
+        if job in self.finished:
+            return
+        self.finished.add(job)
+        self._add(job_bytes - self.credited.pop(job, 0))
+        self.files += 1
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"{self.files}/{self.num_files} files", refresh=False)
+        elif self.mode == "lines":
+            logger.info("wrote %s (%d bytes) [%s]", path, file_bytes, self.status())
+
+    def status(self) -> str:
+        """`3/16 files, 37%, 210.0 MB/s, ETA 12 s`."""
+        elapsed = max(time.monotonic() - self.start, 1e-9)
+        rate = self.done / elapsed
+        percent = 100 * self.done / self.total if self.total else 100
+        eta = (self.total - self.done) / rate if rate > 0 else 0.0
+        return f"{self.files}/{self.num_files} files, {percent:.0f}%, {rate / 1e6:.1f} MB/s, ETA {eta:.0f} s"
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+            logger.info("%s: %s in %.1f s", self.label, self.status().split(", ETA")[0], time.monotonic() - self.start)
+
+    def _add(self, nbytes: int) -> None:
+        self.done += nbytes
+        if self.bar is not None:
+            self.bar.update(nbytes)
+
+
+def _make_bar(total_bytes: int, label: str, stream: TextIO):
+    from tqdm import tqdm  # only on a terminal
+
+    return tqdm(total=total_bytes, desc=label, unit="B", unit_scale=True, file=stream, dynamic_ncols=True,
+                smoothing=0.1, mininterval=0.2)
+
+
+def make_progress(total_bytes: int, num_files: int, *, quiet: bool, stream: TextIO | None = None,
+                  label: str = "reshard") -> Progress:
+    """The CLI's choice: nothing with --quiet, a bar when `stream` (default stderr) is a terminal, else lines."""
+    stream = stream or sys.stderr
+    mode = "off" if quiet else ("bar" if _isatty(stream) else "lines")
+    return Progress(total_bytes, num_files, mode=mode, stream=stream, label=label)
+
+
+def _isatty(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # replaced or closed streams
+        return False

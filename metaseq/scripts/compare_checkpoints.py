@@ -1,0 +1,112 @@
+"""Do two checkpoints hold the same model? Any sharding on either side, flat or unflattened.
+
+    python -m metaseq.scripts.compare_checkpoints \\
+      "ckpts/checkpoint_last-model_part-0-shard*.pt" out/reshard-model_part-0.pt
+
+Exit status: 0 the same, 1 different, 2 an error. Tensors are read one parameter at a
+time from mmap-loaded files (no FSDP, no process group).
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import logging
+import sys
+
+from metaseq.file_io import CheckpointLoadError
+from metaseq.reshard.compare import compare_tensor_sets, describe_comparison, open_tensor_set
+from metaseq.reshard.driver import find_input_shards
+from metaseq.reshard.schema import ReshardError
+
+__all__ = ["build_parser", "main"]
+
+logger = logging.getLogger("metaseq.scripts.compare_checkpoints")
+
+EPILOG = """\
+examples:
+  # did resharding 8 training shards into 2 change anything (optimizer state included)?
+  python -m metaseq.scripts.compare_checkpoints \\
+    "ckpts/checkpoint_last-model_part-0-shard*.pt" "ckpts2/checkpoint_last-model_part-0-shard*.pt"
+
+  # an fp16 inference file against the fp32 training shards, weights only
+  python -m metaseq.scripts.compare_checkpoints \\
+    "ckpts/checkpoint_last-model_part-0-shard*.pt" out/reshard-model_part-0.pt \\
+    --skip-optimizer-state --atol 1e-3
+"""
+
+
+class _Parser(argparse.ArgumentParser):
+    """Argument errors become one-line ReshardErrors (main reports them like any other error)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ReshardError(f"{message} (see --help)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="python -m metaseq.scripts.compare_checkpoints",
+        description="Say whether two checkpoints of one model part hold the same model (and optimizer state, "
+        "if both have it), listing each differing tensor with its max abs difference.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    parser.add_argument("a", metavar="A", help="glob of FSDP shards (quote it) or one file")
+    parser.add_argument("b", metavar="B", help="glob of FSDP shards (quote it) or one file")
+    parser.add_argument("--atol", type=float, default=0.0,
+                        help="largest abs difference still counted as equal (default 0: exact)")
+    parser.add_argument("--skip-optimizer-state", action="store_true", help="compare model tensors only")
+    parser.add_argument("--trust-checkpoint", action="store_true",
+                        help="allow arbitrary pickled objects; unpickling can run code, so only for trusted files")
+    parser.add_argument("--quiet", action="store_true", help="print only the verdict line")
+    return parser
+
+
+def _resolve(pattern: str, side: str) -> list[str]:
+    if not glob.glob(pattern):
+        raise ReshardError(f"{side} {pattern!r} matches no files")
+    try:
+        return find_input_shards(pattern)
+    except ReshardError as e:
+        raise ReshardError(f"{side}: {e}") from None
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.atol < 0:
+        raise ReshardError(f"--atol={args.atol}: must be at least 0")
+    options = dict(trust=args.trust_checkpoint, skip_optimizer_state=args.skip_optimizer_state)
+    a = open_tensor_set(_resolve(args.a, "A"), **options)
+    b = open_tensor_set(_resolve(args.b, "B"), **options)
+    comparison = compare_tensor_sets(a, b, atol=args.atol)
+    lines = describe_comparison(comparison, a, b)
+    print("\n".join(lines[-1:] if args.quiet else lines))  # the CLI's answer, on stdout
+    return 0 if comparison.equal else 1
+
+
+def _one_line(err: BaseException) -> str:
+    text = " ".join(str(err).split())
+    return text if isinstance(err, (ReshardError, CheckpointLoadError, OSError)) else f"{type(err).__name__}: {text}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry point: 0 the same, 1 different, 2 an error (one line on stderr)."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
+    package_logger = logging.getLogger("metaseq")
+    saved = (package_logger.level, package_logger.propagate)
+    package_logger.addHandler(handler)
+    package_logger.setLevel(logging.WARNING)
+    package_logger.propagate = False
+    try:
+        return _run(build_parser().parse_args(argv))
+    except Exception as err:  # noqa: BLE001 -- any error: one line, no traceback
+        logger.error("%s", _one_line(err))
+        return 2
+    finally:
+        package_logger.removeHandler(handler)
+        package_logger.setLevel(saved[0])
+        package_logger.propagate = saved[1]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""Run the reshard CLI and SIGKILL it at a chosen point while it writes (for test_reshard_safety.py).
+
+    python tests/kill_harness.py POINT K <reshard_fsdp arguments...>
+
+POINT is where the process kills itself with a real SIGKILL (no cleanup runs):
+  bytes    once K bytes in all have gone to temp files (mid-file);
+  replace  just before the K-th rename of a complete temp file onto its output (K from 1);
+  renamed  just after the K-th rename, before its folder is fsynced.
+The hooks patch this process only; the tool itself has no test hooks.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+import metaseq.file_io as file_io
+from metaseq.scripts.reshard_fsdp import build_parser, main
+
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _install(point: str, k: int) -> None:
+    counter = {"n": 0}
+    if point == "bytes":
+        write = file_io._WriteErrorRecorder.write
+
+        def counting_write(self: file_io._WriteErrorRecorder, data: bytes) -> int:
+            room = k - counter["n"]
+            if len(data) >= room:
+                self.f.write(bytes(data)[:room])
+                self.f.flush()
+                _die()
+            counter["n"] += len(data)
+            return write(self, data)
+
+        file_io._WriteErrorRecorder.write = counting_write
+    elif point in ("replace", "renamed"):
+        replace = os.replace
+
+        def hooked_replace(src: str, dst: str) -> None:
+            counter["n"] += 1
+            if point == "replace" and counter["n"] == k:
+                _die()
+            replace(src, dst)
+            if point == "renamed" and counter["n"] == k:
+                _die()
+
+        os.replace = hooked_replace
+    else:
+        raise SystemExit(f"unknown kill point {point!r}")
+
+
+def _in_this_process(argv: list[str]) -> list[str]:
+    """The hooks live in this process: keep the writing here, not in worker processes."""
+    if "--num-workers" in build_parser()._option_string_actions and "--num-workers" not in argv:
+        return [*argv, "--num-workers", "1"]
+    return argv
+
+
+if __name__ == "__main__":
+    _install(sys.argv[1], int(sys.argv[2]))
+    sys.exit(main(_in_this_process(sys.argv[3:])))

@@ -1,0 +1,181 @@
+"""`python -m metaseq.scripts.compare_checkpoints A B`: any sharding on either side, exit 0 only if equal."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from metaseq.reshard import compare
+from metaseq.reshard.compare import tensor_difference
+from metaseq.scripts.compare_checkpoints import main
+from metaseq.scripts.reshard_fsdp import main as reshard_main
+from synthetic import make_model, make_shards, write_shards
+
+REPO = Path(__file__).resolve().parents[1]
+SHARD = "checkpoint_last-model_part-0-shard{}.pt"
+
+
+def _glob(folder: Path) -> str:
+    return str(folder / SHARD.format("*"))
+
+
+@pytest.fixture
+def ckpts(tmp_path: Path) -> Path:
+    write_shards(make_shards(make_model(), 4), tmp_path / "ckpts")
+    return tmp_path / "ckpts"
+
+
+def _reshard(src: Path, out: Path, *extra: str) -> None:
+    assert reshard_main(["--input", _glob(src), "--output", str(out), "--quiet", *extra]) == 0
+
+
+def _compare(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str]:
+    rc = main(list(argv))
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err
+    return rc, captured.out
+
+
+def test_reshard_to_any_sharding_is_the_same_model(ckpts: Path, tmp_path: Path, capsys) -> None:
+    _reshard(ckpts, tmp_path / "three" / SHARD.format("{i}"), "--num-output-shards", "3")
+    rc, out = _compare(capsys, _glob(ckpts), _glob(tmp_path / "three"))
+    assert rc == 0
+    assert "A: 4 flat shards" in out and "B: 3 flat shards" in out
+    assert "compared 12 model tensors, 16 optimizer tensors and 8 optimizer scalars" in out
+    assert out.strip().endswith("SAME: the checkpoints hold the same model and optimizer state")
+
+
+def test_flat_shards_against_unflattened_file(ckpts: Path, tmp_path: Path, capsys) -> None:
+    _reshard(ckpts, tmp_path / "u.pt", "--unflatten-weights")
+    rc, out = _compare(capsys, str(tmp_path / "u.pt"), _glob(ckpts))
+    assert rc == 0 and "A: 1 unflattened file" in out and "SAME" in out
+
+
+def test_changed_parameter_is_listed_with_its_max_abs_difference(ckpts: Path, tmp_path: Path, capsys) -> None:
+    model = make_model()
+    model.params["decoder.layers.0.fc2.bias"][1] += 0.5
+    write_shards(make_shards(model, 2), tmp_path / "changed")
+    rc, out = _compare(capsys, _glob(ckpts), _glob(tmp_path / "changed"))
+    assert rc == 1
+    differs = [line for line in out.splitlines() if line.startswith("differs: ")]
+    assert "differs: decoder.layers.0.fc2.bias: max abs diff 0.5" in differs
+    # make_shards derives the moments from the weights, so they moved too; nothing else did
+    assert all("fc2.bias" in line for line in differs) and len(differs) == 3
+    assert out.strip().endswith("DIFFERENT: 3 difference(s)")
+
+
+def test_optimizer_difference_and_skip_optimizer_state(ckpts: Path, tmp_path: Path, capsys) -> None:
+    shards = make_shards(make_model(), 4)
+    shards[3]["last_optimizer_state"]["state"][1]["exp_avg_sq"][0] += 1.0  # element 30 of 38: fc2.weight
+    shards[0]["last_optimizer_state"]["param_groups"][0]["lr"] = 5e-4
+    write_shards(shards, tmp_path / "changed")
+    rc, out = _compare(capsys, _glob(ckpts), _glob(tmp_path / "changed"))
+    assert rc == 1
+    assert "differs: optimizer exp_avg_sq of decoder.layers.0.fc2.weight: max abs diff 1" in out
+    assert "differs: optimizer param_groups: [{'lr': 0.001" in out
+    rc, out = _compare(capsys, _glob(ckpts), _glob(tmp_path / "changed"), "--skip-optimizer-state")
+    assert rc == 0 and "compared 12 model tensors\n" in out
+
+
+def test_optimizer_state_on_one_side_only_is_a_note(ckpts: Path, tmp_path: Path, capsys) -> None:
+    _reshard(ckpts, tmp_path / "weights.pt", "--unflatten-weights", "--skip-optimizer-state")
+    rc, out = _compare(capsys, _glob(ckpts), str(tmp_path / "weights.pt"))
+    assert rc == 0 and "note: optimizer state only in A; not compared" in out
+    assert out.strip().endswith("SAME: the checkpoints hold the same model")
+
+
+def test_atol_and_dtype(ckpts: Path, tmp_path: Path, capsys) -> None:
+    _reshard(ckpts, tmp_path / "half.pt", "--unflatten-weights", "--output-dtype", "fp16")
+    rc, out = _compare(capsys, _glob(ckpts), str(tmp_path / "half.pt"))
+    assert rc == 1 and "some tensors are float32 in A and float16 in B" in out
+    rc, out = _compare(capsys, _glob(ckpts), str(tmp_path / "half.pt"), "--atol", "1e-2")
+    assert rc == 0
+
+
+def test_plain_state_dicts_from_other_tools(ckpts: Path, tmp_path: Path, capsys) -> None:
+    state_dict = make_model().state_dict()
+    torch.save({"model": state_dict}, tmp_path / "wrapped.pt")
+    torch.save(state_dict, tmp_path / "bare.pt")
+    for name in ("wrapped.pt", "bare.pt"):
+        rc, out = _compare(capsys, _glob(ckpts), str(tmp_path / name), "--skip-optimizer-state")
+        assert rc == 0 and "a plain state dict" in out, out
+    del state_dict["decoder.layers.1.scale"]
+    state_dict["decoder.layer_norm.bias"] = torch.zeros(4)
+    torch.save(state_dict, tmp_path / "other.pt")
+    rc, out = _compare(capsys, _glob(ckpts), str(tmp_path / "other.pt"))
+    assert rc == 1
+    assert "differs: decoder.layers.1.scale: only in A" in out
+    assert "differs: decoder.layer_norm.bias: shape [3] vs [4]" in out
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["NONE", "CKPTS"], "none*.pt' matches no files"),
+        (["CKPTS", "CKPTS", "--atol", "-1"], "--atol=-1.0: must be at least 0"),
+        (["CKPTS"], "the following arguments are required: B"),
+        (["CKPTS", "GARBAGE"], "garbage.pt: cannot read checkpoint"),
+        (["NOMETA", "CKPTS"], "nometa.pt: no 'shard_metadata'; it has flat_param_* keys"),
+    ],
+)
+def test_errors_are_one_line_with_exit_2(ckpts: Path, tmp_path: Path, capsys, argv: list[str], words: str) -> None:
+    (tmp_path / "garbage.pt").write_bytes(b"\x80\x02junk")
+    torch.save({"model": make_shards(make_model(), 1)[0]["model"]}, tmp_path / "nometa.pt")
+    names = {"NONE": str(tmp_path / "none*.pt"), "CKPTS": _glob(ckpts), "GARBAGE": str(tmp_path / "garbage.pt"),
+             "NOMETA": str(tmp_path / "nometa.pt")}
+    assert main([names.get(a, a) for a in argv]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "Traceback" not in captured.err
+    assert captured.err.count("\n") == 1 and captured.err.startswith("ERROR: ") and words in captured.err
+
+
+def test_reads_one_tensor_at_a_time(ckpts: Path, tmp_path: Path, capsys, monkeypatch) -> None:
+    sizes = []
+    materialize = compare.materialize_targets
+
+    def recording(targets, fetch):
+        sizes.append(len(targets))
+        return materialize(targets, fetch)
+
+    monkeypatch.setattr(compare, "materialize_targets", recording)
+    _reshard(ckpts, tmp_path / "u.pt", "--unflatten-weights")
+    assert _compare(capsys, _glob(ckpts), str(tmp_path / "u.pt"))[0] == 0
+    assert sizes and set(sizes) == {1}
+
+
+@pytest.mark.parametrize(
+    "x, y, exact, expected",
+    [
+        ([float("nan"), 1.0], [float("nan"), 1.0], False, None),
+        ([float("inf")], [float("inf")], True, None),
+        ([0.0], [-0.0], False, None),
+        ([0.0], [-0.0], True, "max abs diff 0 (same values, different bits)"),
+        ([1.0, 2.0], [1.0, 2.25], False, "max abs diff 0.25"),
+        ([1.0], [float("nan")], False, "max abs diff nan"),
+    ],
+)
+def test_tensor_difference(x: list[float], y: list[float], exact: bool, expected: str | None) -> None:
+    assert tensor_difference(torch.tensor(x), torch.tensor(y), exact_dtype=exact) == expected
+
+
+def test_python_m_entry_point(ckpts: Path, tmp_path: Path) -> None:
+    _reshard(ckpts, tmp_path / "u.pt", "--unflatten-weights", "--skip-optimizer-state")
+    cmd = [sys.executable, "-m", "metaseq.scripts.compare_checkpoints", _glob(ckpts), str(tmp_path / "u.pt"), "--quiet"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "SAME: the checkpoints hold the same model"
+
+
+def test_tied_copy_stored_in_an_unflattened_file_is_compared_on_its_own(ckpts: Path, tmp_path: Path, capsys) -> None:
+    _reshard(ckpts, tmp_path / "u.pt", "--unflatten-weights", "--skip-optimizer-state")
+    ckpt = torch.load(tmp_path / "u.pt", weights_only=True)
+    ckpt["model"]["decoder.output_projection.weight"] = ckpt["model"]["decoder.embed_tokens.weight"] + 2.0  # untied
+    torch.save(ckpt, tmp_path / "untied.pt")
+    rc, out = _compare(capsys, _glob(ckpts), str(tmp_path / "untied.pt"), "--skip-optimizer-state")
+    assert rc == 1
+    assert [line for line in out.splitlines() if line.startswith("differs")] == [
+        "differs: decoder.output_projection.weight: max abs diff 2"
+    ]

@@ -1,0 +1,326 @@
+"""Outputs are atomic (SIGKILL, full disk), temp files never linger, --verify, and corruption fuzzing.
+
+What a run may leave at a final output path: nothing, or a complete file that loads
+and equals a clean run's. Inputs are never changed (checked by sha256).
+"""
+from __future__ import annotations
+
+import errno
+import hashlib
+import io
+import os
+import re
+import signal
+import struct
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import torch
+
+import metaseq.file_io as file_io
+from metaseq.file_io import atomic_torch_save, load_checkpoint
+from metaseq.reshard import parallel
+from metaseq.scripts.reshard_fsdp import main
+from synthetic import assert_tree_equal, make_model, make_shards, write_shards
+
+REPO = Path(__file__).resolve().parents[1]
+HARNESS = Path(__file__).resolve().parent / "kill_harness.py"
+SHARD = "checkpoint_last-model_part-0-shard{}.pt"
+# About 85 KB of tensors per output shard at M = 3 (weights, exp_avg, exp_avg_sq).
+BIG = (
+    ("", (("decoder.embed_tokens.weight", (200, 64)), ("decoder.layer_norm.weight", (64,))),
+     (("decoder.embed_tokens.weight", "decoder.output_projection.weight"),)),
+    ("decoder.layers.0", (("fc1.weight", (128, 64)), ("fc1.bias", (128,))), ()),
+)
+CLEAN_ERROR = re.compile(r"ERROR: (?![A-Za-z]*(Error|Exception|Interrupt): )")  # not an unexpected exception type
+
+
+def _sha(folder: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+
+def _one_error_line(err: str) -> str:
+    assert "Traceback" not in err
+    errors = [line for line in err.splitlines() if line.startswith("ERROR: ")]
+    assert len(errors) == 1 and err.rstrip().endswith(errors[0]), err
+    assert CLEAN_ERROR.match(errors[0]), errors[0]
+    return errors[0]
+
+
+@pytest.fixture
+def big_dir(tmp_path: Path) -> Path:
+    write_shards(make_shards(make_model(instances=BIG), 4), tmp_path / "ckpts")
+    return tmp_path / "ckpts"
+
+
+def _outputs(folder: Path, m: int = 3) -> list[Path]:
+    return [folder / f"shard{r}.pt" for r in range(m)]
+
+
+# --- SIGKILL while writing -----------------------------------------------------------------------
+
+
+KILLS = {  # kill point -> which outputs exist afterwards
+    ("bytes", 1): [],
+    ("bytes", 40_000): [],
+    ("bytes", 130_000): [0],
+    ("replace", 1): [],
+    ("replace", 3): [0, 1],
+    ("renamed", 1): [0],
+    ("renamed", 3): [0, 1, 2],
+}
+
+
+def test_sigkill_while_writing_leaves_only_complete_outputs(big_dir: Path, tmp_path: Path) -> None:
+    inputs = _sha(big_dir)
+    clean = tmp_path / "clean"
+    argv = ["--input", str(big_dir / SHARD.format("*")), "--num-output-shards", "3", "--quiet"]
+    assert main([*argv, "--output", str(clean / "shard{i}.pt")]) == 0
+    procs = {}
+    for (point, k) in KILLS:  # all at once: they only write to their own folders
+        out = tmp_path / f"kill_{point}_{k}" / "shard{i}.pt"
+        cmd = [sys.executable, str(HARNESS), point, str(k), *argv, "--output", str(out)]
+        procs[(point, k)] = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    for (point, k), proc in procs.items():
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == -signal.SIGKILL, f"{point} {k}: rc {proc.returncode}: {err.decode()}"
+        folder = tmp_path / f"kill_{point}_{k}"
+        present = [r for r, path in enumerate(_outputs(folder)) if path.exists()]
+        assert present == KILLS[(point, k)], f"{point} {k}"
+        for r in present:  # complete and loadable, equal to the clean run's
+            got, want = load_checkpoint(_outputs(folder)[r]), load_checkpoint(_outputs(clean)[r])
+            assert_tree_equal(got, want, f"{point} {k} output {r}")
+        assert sorted(folder.glob("*.pt")) == [_outputs(folder)[r] for r in present]  # temp files never match
+    assert _sha(big_dir) == inputs
+
+
+def test_rerun_after_sigkill_cleans_temp_files_and_completes(big_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    argv = ["--input", str(big_dir / SHARD.format("*")), "--output", str(out / "shard{i}.pt"),
+            "--num-output-shards", "3", "--quiet"]
+    proc = subprocess.run([sys.executable, str(HARNESS), "bytes", "130000", *argv], cwd=REPO, capture_output=True)
+    assert proc.returncode == -signal.SIGKILL
+    leftovers = [p.name for p in out.iterdir() if p.name.endswith(".tmp")]
+    assert len(leftovers) == 1 and leftovers[0].startswith(".shard1.pt.")
+    assert main([*argv, "--overwrite", "--verify"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["shard0.pt", "shard1.pt", "shard2.pt"]
+
+
+# --- temp files ----------------------------------------------------------------------------------
+
+
+def test_stale_temp_files_of_dead_writers_are_removed_and_live_ones_kept(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = out / f".shard0.pt.{dead.pid}.abcd1234.tmp"
+    legacy = out / ".shard1.pt.zz99yy88.tmp"  # written before temp names carried a pid
+    live = out / f".shard0.pt.{os.getppid()}.abcd1234.tmp"  # our parent is running
+    unrelated = out / f".other.pt.{dead.pid}.abcd1234.tmp"
+    for path in (stale, legacy, live, unrelated):
+        path.write_bytes(b"partial")
+    write_shards(make_shards(make_model(), 2), tmp_path / "ckpts")
+    argv = ["--input", str(tmp_path / "ckpts" / SHARD.format("*")), "--output", str(out / "shard{i}.pt"),
+            "--num-output-shards", "2", "--quiet"]
+    assert main(argv) == 0
+    assert not stale.exists() and not legacy.exists()
+    assert live.exists() and unrelated.exists()
+    assert sorted(p.name for p in out.glob("*.pt")) == ["shard0.pt", "shard1.pt"]
+
+
+def test_failed_save_keeps_the_previous_file_and_leaves_no_temp(tmp_path: Path) -> None:
+    path = tmp_path / "x.pt"
+    torch.save({"a": 1}, path)
+    before = path.read_bytes()
+    with pytest.raises(Exception):
+        atomic_torch_save({"f": lambda: 0}, path)  # a lambda cannot be pickled
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["x.pt"]
+
+
+# --- full disk -----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A 128 KiB tmpfs where this process may mount one (root); else writes fail with ENOSPC past 128 KiB."""
+    folder = tmp_path / "small"
+    folder.mkdir()
+    try:
+        cmd = ["mount", "-t", "tmpfs", "-o", "size=128k", "tmpfs", str(folder)]
+        mounted = subprocess.run(cmd, capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):  # no mount binary
+        mounted = False
+    if not mounted:
+        written = {"n": 0}
+        write = file_io._WriteErrorRecorder.write
+
+        def filling_write(self: file_io._WriteErrorRecorder, data: bytes) -> int:
+            written["n"] += len(data)
+            if written["n"] > 128 << 10:
+                self.error = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                raise self.error
+            return write(self, data)
+
+        monkeypatch.setattr(file_io._WriteErrorRecorder, "write", filling_write)
+    try:
+        yield folder
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(folder)], check=True)
+
+
+def test_full_disk_is_a_clean_error_and_leaves_nothing(big_dir: Path, small_disk: Path, capsys) -> None:
+    inputs = _sha(big_dir)
+    argv = ["--input", str(big_dir / SHARD.format("*")), "--output", str(small_disk / "shard{i}.pt"),
+            "--num-output-shards", "3"]
+    assert main(argv) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert re.search(rf"{small_disk}/shard\d\.pt: cannot write \(No space left on device\)", line), line
+    assert list(small_disk.iterdir()) == []  # neither the outputs already written nor temp files
+    assert _sha(big_dir) == inputs
+
+
+# --- --verify ------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def shard_dir(tmp_path: Path) -> Path:
+    write_shards(make_shards(make_model(), 4), tmp_path / "ckpts")
+    return tmp_path / "ckpts"
+
+
+@pytest.mark.parametrize(
+    "extra, report",
+    [
+        (["--num-output-shards", "3"], "verified 3 output(s): 10 parameters, 2 buffers, 16 optimizer tensors "
+         "bit-identical to the inputs, 8 optimizer scalars and the optimizer settings equal; metadata consistent"),
+        (["--unflatten-weights", "--output-dtype", "bf16"], "verified 1 output(s): 10 parameters, 2 buffers, 16"),
+        (["--num-output-shards", "7", "--skip-optimizer-state"], "verified 7 output(s): 10 parameters, 2 buffers, 0"),
+    ],
+)
+def test_verify_reports_what_it_checked(shard_dir: Path, tmp_path: Path, capsys, extra: list[str], report: str) -> None:
+    argv = ["--input", str(shard_dir / SHARD.format("*")), "--output", str(tmp_path / "out" / "shard{i}.pt"), "--verify"]
+    assert main([*argv, *extra]) == 0
+    err = capsys.readouterr().err
+    assert "inputs match their CRC32 checksums (4 file(s)" in err
+    assert report in err
+
+
+def _tensor_record_span(data: bytes, record: str) -> tuple[int, int]:
+    """[start, end) of a record's bytes (after its local header) in a torch zip file."""
+    info = next(i for i in zipfile.ZipFile(io.BytesIO(data)).infolist() if i.filename.endswith(record))
+    name_len, extra_len = struct.unpack("<HH", data[info.header_offset + 26 : info.header_offset + 30])
+    start = info.header_offset + 30 + name_len + extra_len
+    return start, start + info.compress_size
+
+
+def test_flipped_tensor_bit_passes_unnoticed_without_verify_and_is_caught_with_it(shard_dir, tmp_path, capsys) -> None:
+    path = shard_dir / SHARD.format(2)
+    data = bytearray(path.read_bytes())
+    start, _ = _tensor_record_span(bytes(data), "/data/0")
+    data[start + 2] ^= 0x10  # one bit of one weight: still loads
+    path.write_bytes(bytes(data))
+    argv = ["--input", str(shard_dir / SHARD.format("*")), "--num-output-shards", "2", "--quiet"]
+    assert main([*argv, "--output", str(tmp_path / "plain" / "shard{i}.pt")]) == 0  # torch.load checks no CRC
+    capsys.readouterr()
+    assert main([*argv, "--output", str(tmp_path / "checked" / "shard{i}.pt"), "--verify"]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert f"{path}: corrupt checkpoint (record data/0 fails its CRC32 check)" in line
+    assert not (tmp_path / "checked").exists()
+
+
+def test_verify_failure_names_the_tensor_and_removes_outputs(shard_dir, tmp_path, monkeypatch, capsys) -> None:
+    def buggy_save(obj: dict[str, Any], path: str, **kwargs: Any) -> None:
+        if str(path).endswith("shard1.pt"):
+            obj["model"]["decoder.layers.0.flat_param_0"][3] += 1.0  # a reshard bug
+        atomic_torch_save(obj, path, **kwargs)
+
+    monkeypatch.setattr(parallel, "atomic_torch_save", buggy_save)
+    out = tmp_path / "out"
+    argv = ["--input", str(shard_dir / SHARD.format("*")), "--output", str(out / "shard{i}.pt"),
+            "--num-output-shards", "3", "--verify"]
+    assert main(argv) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert "--verify failed, outputs removed" in line and "decoder.layers.0." in line and "max abs diff 1" in line
+    assert list(out.iterdir()) == []
+
+
+# --- corruption fuzzing --------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fuzz(tmp_path: Path) -> tuple[Path, bytes, dict[str, Any], list[tuple[int, int]]]:
+    """2 small shards, shard 1's clean bytes, a clean run's output, and shard 1's tensor-record spans."""
+    paths = write_shards(make_shards(make_model(), 2), tmp_path / "ckpts")
+    assert main(["--input", str(tmp_path / "ckpts" / "*.pt"), "--output", str(tmp_path / "clean.pt"), "--quiet"]) == 0
+    data = paths[1].read_bytes()
+    spans = []
+    for info in zipfile.ZipFile(io.BytesIO(data)).infolist():
+        if re.fullmatch(r"[^/]+/data/\d+", info.filename):  # local header and data of a tensor storage
+            spans.append((info.header_offset, _tensor_record_span(data, info.filename)[1]))
+    return paths[1], data, load_checkpoint(tmp_path / "clean.pt"), spans
+
+
+def _run_corrupted(path: Path, data: bytes, out: Path, capsys, *extra: str) -> int:
+    path.write_bytes(data)
+    rc = main(["--input", str(path.parent / "*.pt"), "--output", str(out), "--quiet", *extra])
+    err = capsys.readouterr().err
+    assert rc in (0, 2) and "Traceback" not in err
+    if rc == 2:
+        _one_error_line(err)
+        assert not out.exists()
+    return rc
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_byte_flips_are_detected_or_provably_harmless(fuzz, tmp_path: Path, capsys, verify: bool) -> None:
+    """Every record but tensor data is CRC-checked on load, and tensor data too with --verify.
+
+    So a flip either fails cleanly or leaves outputs identical to a clean run's, except
+    a flip inside tensor data without --verify: torch.load cannot notice it, the run
+    succeeds and the corrupted value is carried (that is what --verify is for).
+    """
+    path, data, want, spans = fuzz
+    detected = 0
+    for i, pos in enumerate(range(0, len(data), 23)):
+        flipped = bytearray(data)
+        flipped[pos] ^= 0xFF
+        out = tmp_path / f"out{i}.pt"
+        if _run_corrupted(path, bytes(flipped), out, capsys, *(["--verify"] if verify else [])) == 2:
+            detected += 1
+            continue
+        got = load_checkpoint(out)
+        if verify or not any(a <= pos < b for a, b in spans):
+            assert_tree_equal(got, want, f"flip at {pos}")
+        else:
+            assert got.keys() == want.keys()
+        out.unlink()
+    assert detected > len(data) // 23 // 2
+
+
+def test_truncations_always_fail_cleanly(fuzz, tmp_path: Path, capsys) -> None:
+    path, data, _, _ = fuzz
+    for cut in sorted({*range(0, len(data), len(data) // 25), len(data) - 22, len(data) - 1}):
+        assert _run_corrupted(path, data[:cut], tmp_path / "out.pt", capsys) == 2
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip-pickle"])
+def test_corrupt_input_through_python_m_is_one_line(fuzz, tmp_path: Path, damage: str) -> None:
+    path, data, _, _ = fuzz
+    broken = bytearray(data[: len(data) // 2] if damage == "truncate" else data)
+    if damage == "flip-pickle":
+        broken[broken.index(b"CrossEntropyCriterion") + 3] ^= 0x01
+    path.write_bytes(bytes(broken))
+    cmd = [sys.executable, "-m", "metaseq.scripts.reshard_fsdp", "--input", str(path.parent / "*.pt"),
+           "--output", str(tmp_path / "out.pt"), "--quiet"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    line = _one_error_line(proc.stderr)
+    assert line == proc.stderr.strip() and f"{path}: corrupt checkpoint" in line
+    assert not (tmp_path / "out.pt").exists()

@@ -1,0 +1,300 @@
+"""Every bad input or option: exit 2, one ERROR line naming the culprit, nothing written.
+
+Each case builds 4 synthetic shards (or other files) in tmp_path/ckpts, spoils them,
+runs `main([...])` and checks that no file under tmp_path was added or changed.
+"""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+
+from metaseq.scripts.reshard_fsdp import main
+from synthetic import Opaque, make_model, make_shards, write_shards
+
+Spoil = Callable[[list[dict[str, Any]]], None]
+SHARD = "checkpoint_last-model_part-0-shard{}.pt"
+
+
+def _snapshot(folder: Path) -> dict[str, str]:
+    """Every file under folder (hidden ones too) -> sha256 of its bytes."""
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.rglob("*") if p.is_file()}
+
+
+def _fails(tmp_path: Path, capsys: pytest.CaptureFixture, argv: list[str]) -> str:
+    """Run main, assert exit 2, one ERROR line at the end, no traceback and nothing written; the line."""
+    before = _snapshot(tmp_path)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    errors = [line for line in err.splitlines() if line.startswith("ERROR: ")]
+    assert len(errors) == 1 and err.rstrip().endswith(errors[0]), err
+    assert _snapshot(tmp_path) == before, "a failed run wrote or changed files"
+    assert not (tmp_path / "out").exists()
+    return errors[0]
+
+
+def _write(tmp_path: Path, spoil: Spoil | None = None, world_size: int = 4) -> str:
+    shards = make_shards(make_model(), world_size)
+    if spoil is not None:
+        spoil(shards)
+    write_shards(shards, tmp_path / "ckpts")
+    return str(tmp_path / "ckpts" / SHARD.format("*"))
+
+
+def _args(pattern: str, tmp_path: Path, *extra: str) -> list[str]:
+    return ["--input", pattern, "--output", str(tmp_path / "out" / "shard{i}.pt"), *extra]
+
+
+def _meta(shard: dict[str, Any], instance: int) -> dict[str, Any]:
+    return shard["shard_metadata"]["param_metadata"][instance]["params"]["flat_param_0"]
+
+
+# --- which files ---------------------------------------------------------------------------------
+
+
+def test_glob_matching_nothing(tmp_path: Path, capsys) -> None:
+    line = _fails(tmp_path, capsys, _args(str(tmp_path / "nope-shard*.pt"), tmp_path))
+    assert "--input-glob-pattern" in line and "nope-shard*.pt" in line and "matches no files" in line
+
+
+def test_files_from_two_model_parts(tmp_path: Path, capsys) -> None:
+    _write(tmp_path)
+    write_shards(make_shards(make_model(), 4), tmp_path / "ckpts", part=1)
+    line = _fails(tmp_path, capsys, _args(str(tmp_path / "ckpts" / "*.pt"), tmp_path))
+    assert "model parts [0, 1]" in line and "one model part at a time" in line
+
+
+def test_missing_shard_index(tmp_path: Path, capsys) -> None:
+    pattern = _write(tmp_path)
+    (tmp_path / "ckpts" / SHARD.format(1)).unlink()
+    assert "shard1 is missing" in _fails(tmp_path, capsys, _args(pattern, tmp_path))
+
+
+def test_duplicate_shard_index(tmp_path: Path, capsys) -> None:
+    pattern = _write(tmp_path)
+    (tmp_path / "ckpts" / SHARD.format("02")).write_bytes((tmp_path / "ckpts" / SHARD.format(2)).read_bytes())
+    line = _fails(tmp_path, capsys, _args(pattern, tmp_path))
+    assert "shard index 2 appears twice" in line and SHARD.format("02") in line
+
+
+def test_file_without_shard_index_among_several(tmp_path: Path, capsys) -> None:
+    pattern = _write(tmp_path)
+    torch.save({"model": {}}, tmp_path / "ckpts" / "checkpoint_last-model_part-0-extra.pt")
+    line = _fails(tmp_path, capsys, _args(str(tmp_path / "ckpts" / "*.pt"), tmp_path))
+    assert "checkpoint_last-model_part-0-extra.pt: no shard index" in line
+    assert pattern  # the real shards were there too
+
+
+# --- not an FSDP shard ---------------------------------------------------------------------------
+
+
+def test_consolidated_file_is_called_consolidated(tmp_path: Path, capsys) -> None:
+    torch.save({"model": make_model().state_dict()}, tmp_path / "consolidated.pt")
+    line = _fails(tmp_path, capsys, _args(str(tmp_path / "consolidated.pt"), tmp_path))
+    assert "consolidated.pt: no 'shard_metadata'" in line and "looks consolidated" in line
+
+
+def test_shard_saved_without_metadata_is_called_not_from_fsdp(tmp_path: Path, capsys) -> None:
+    pattern = _write(tmp_path, lambda shards: shards[2].pop("shard_metadata"))
+    line = _fails(tmp_path, capsys, _args(pattern, tmp_path))
+    assert f"{SHARD.format(2)}: no 'shard_metadata'" in line and "local_metadata_dict" in line
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [({"weights": [1, 2]}, "no 'model' dict"), (torch.zeros(3), "expected a dict checkpoint, found Tensor")],
+)
+def test_file_that_is_not_a_metaseq_checkpoint(tmp_path: Path, capsys, content: Any, message: str) -> None:
+    torch.save(content, tmp_path / "other.pt")
+    line = _fails(tmp_path, capsys, _args(str(tmp_path / "other.pt"), tmp_path))
+    assert "other.pt" in line and message in line
+
+
+# --- metadata that disagrees ---------------------------------------------------------------------
+
+
+def _drop_instance(shards: list[dict[str, Any]]) -> None:
+    shards[2]["shard_metadata"]["param_metadata"].pop()
+
+
+def _rename(shards: list[dict[str, Any]]) -> None:
+    _meta(shards[2], 1)["names"][0] = "fc9.weight"
+
+
+def _transpose(shards: list[dict[str, Any]]) -> None:
+    _meta(shards[2], 0)["shapes"][0] = torch.Size([3, 7])
+
+
+def _bad_numel(shards: list[dict[str, Any]]) -> None:
+    _meta(shards[3], 2)["numels"][0] = 4
+
+
+@pytest.mark.parametrize(
+    "spoil, culprit, words",
+    [
+        (_drop_instance, 2, "lists 2 flat parameters but"),
+        (_rename, 2, "disagrees with"),
+        (_transpose, 2, "on the shapes of flat parameter 'flat_param_0'"),
+        (_bad_numel, 3, "'decoder.layers.1.scale' has shape [3] but numel 4"),
+    ],
+)
+def test_metadata_disagreeing_across_shards(tmp_path, capsys, spoil: Spoil, culprit: int, words: str) -> None:
+    line = _fails(tmp_path, capsys, _args(_write(tmp_path, spoil), tmp_path))
+    assert SHARD.format(culprit) in line and words in line
+
+
+# --- flat tensors that disagree with their metadata ----------------------------------------------
+
+
+def _short_tensor(shards: list[dict[str, Any]]) -> None:
+    key = "decoder.layers.0.flat_param_0"
+    shards[3]["model"][key] = shards[3]["model"][key][:-1].clone()
+
+
+def _wrong_padding(shards: list[dict[str, Any]]) -> None:
+    _meta(shards[1], 1)["padding"] += 1
+
+
+def _impossible_padding(shards: list[dict[str, Any]]) -> None:
+    _meta(shards[0], 0)["padding"] = 999
+
+
+def _two_dim_flat(shards: list[dict[str, Any]]) -> None:
+    shards[1]["model"]["flat_param_0"] = shards[1]["model"]["flat_param_0"].reshape(1, -1)
+
+
+@pytest.mark.parametrize(
+    "spoil, words",
+    [
+        (_short_tensor, f"{SHARD.format(3)}: flat parameter 'decoder.layers.0.flat_param_0' has 9 elements but"),
+        (_wrong_padding, f"{SHARD.format(1)}: flat parameter 'decoder.layers.0.flat_param_0': the shards hold 37 elements"),
+        (_impossible_padding, f"{SHARD.format(0)}: padding 999 of 'flat_param_0'"),
+        (_two_dim_flat, f"{SHARD.format(1)}: model['flat_param_0'] should be a 1-D flat tensor"),
+    ],
+)
+def test_flat_tensor_disagreeing_with_metadata_and_padding(tmp_path, capsys, spoil: Spoil, words: str) -> None:
+    line = _fails(tmp_path, capsys, _args(_write(tmp_path, spoil), tmp_path))
+    assert words in line
+
+
+# --- optimizer state that does not match the flat parameters -------------------------------------
+
+
+def _osd(shard: dict[str, Any]) -> dict[str, Any]:
+    return shard["last_optimizer_state"]
+
+
+@pytest.mark.parametrize(
+    "spoil, words",
+    [
+        (lambda s: _osd(s[1])["state"].pop(2), f"{SHARD.format(1)}: last_optimizer_state covers flat parameters [0, 1]"),
+        (lambda s: [_osd(r)["state"].__setitem__(7, {}) for r in s], "has id 7 but shard_metadata lists 3"),
+        (lambda s: _osd(s[2])["state"][1].pop("exp_avg_sq"),
+         f"{SHARD.format(2)}: last_optimizer_state.state[1] lacks 'exp_avg_sq'"),
+        (lambda s: _osd(s[3])["state"][0].__setitem__("exp_avg", torch.zeros(5)),
+         "state[0]['exp_avg'] has shape [5] but flat parameter 'flat_param_0' has 7 elements"),
+        (lambda s: s[0].__setitem__("last_optimizer_state", {"momentum": 1}), "pass --skip-optimizer-state"),
+    ],
+)
+def test_optimizer_state_not_matching_flat_parameters(tmp_path, capsys, spoil: Spoil, words: str) -> None:
+    line = _fails(tmp_path, capsys, _args(_write(tmp_path, spoil), tmp_path))
+    assert words in line
+
+
+# --- unreadable files ----------------------------------------------------------------------------
+
+
+def test_truncated_file(tmp_path: Path, capsys) -> None:
+    pattern = _write(tmp_path)
+    path = tmp_path / "ckpts" / SHARD.format(2)
+    path.write_bytes(path.read_bytes()[:-100])
+    line = _fails(tmp_path, capsys, _args(pattern, tmp_path))
+    assert f"{path}: corrupt checkpoint" in line and "truncated" in line and "restore the file" in line
+
+
+def test_corrupt_metadata_is_caught_by_its_crc(tmp_path: Path, capsys) -> None:
+    pattern = _write(tmp_path)
+    path = tmp_path / "ckpts" / SHARD.format(1)
+    data = bytearray(path.read_bytes())
+    data[data.index(b"CrossEntropyCriterion")] ^= 0x20  # still unpickles, as "crossEntropyCriterion"
+    path.write_bytes(bytes(data))
+    line = _fails(tmp_path, capsys, _args(pattern, tmp_path))
+    assert f"{path}: corrupt checkpoint (record data.pkl fails its CRC32 check)" in line
+
+
+def test_garbage_file(tmp_path: Path, capsys) -> None:
+    (tmp_path / "garbage.pt").write_bytes(b"\x80\x02not a checkpoint at all")
+    line = _fails(tmp_path, capsys, _args(str(tmp_path / "garbage.pt"), tmp_path))
+    assert "garbage.pt: cannot read checkpoint" in line and "not a torch checkpoint" in line
+    assert len(line) < 300
+
+
+def test_arbitrary_pickle_needs_trust_checkpoint(tmp_path: Path, capsys) -> None:
+    pattern = _write(tmp_path, lambda shards: shards[0]["extra_state"].__setitem__("custom", Opaque(1)))
+    line = _fails(tmp_path, capsys, _args(pattern, tmp_path))
+    assert f"{SHARD.format(0)}: refusing to unpickle" in line and "synthetic.Opaque" in line
+    assert "pass --trust-checkpoint" in line
+
+
+# --- outputs and options -------------------------------------------------------------------------
+
+
+def test_output_that_is_an_input(tmp_path: Path, capsys) -> None:
+    pattern = _write(tmp_path)
+    target = tmp_path / "ckpts" / SHARD.format(0)
+    line = _fails(tmp_path, capsys, ["--input", pattern, "--output", str(target), "--overwrite"])
+    assert f"{target} is also an input" in line
+
+
+def test_output_that_is_an_input_through_a_symlink(tmp_path: Path, capsys) -> None:
+    pattern = _write(tmp_path)
+    (tmp_path / "link").symlink_to(tmp_path / "ckpts")
+    line = _fails(tmp_path, capsys, ["--input", pattern, "--output", str(tmp_path / "link" / SHARD.format("{i}")),
+                                     "--num-output-shards", "4", "--overwrite"])
+    assert "is also an input" in line
+
+
+def test_output_that_is_a_directory(tmp_path: Path, capsys) -> None:
+    pattern = _write(tmp_path)
+    (tmp_path / "dir.pt").mkdir()
+    assert "dir.pt is a directory" in _fails(tmp_path, capsys, ["--input", pattern, "--output", str(tmp_path / "dir.pt")])
+
+
+def test_existing_output_is_not_overwritten_without_flag(tmp_path: Path, capsys) -> None:
+    pattern = _write(tmp_path)
+    (tmp_path / "keep").mkdir()
+    (tmp_path / "keep" / "shard1.pt").write_bytes(b"precious")
+    argv = ["--input", pattern, "--output", str(tmp_path / "keep" / "shard{i}.pt"), "--num-output-shards", "3"]
+    line = _fails(tmp_path, capsys, argv)
+    assert "shard1.pt already exist(s); pass --overwrite" in line
+    assert sorted(p.name for p in (tmp_path / "keep").iterdir()) == ["shard1.pt"]
+
+
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        (["--num-output-shards", "2", "--output", "OUT/one.pt"], "--num-output-shards=2 but --output-shard-name"),
+        (["--num-output-shards", "2", "--unflatten-weights"], "--unflatten-weights needs --num-output-shards=1"),
+        (["--num-output-shards", "0"], "--num-output-shards=0: must be at least 1"),
+        (["--num-output-shards", "-3"], "--num-output-shards=-3: must be at least 1"),
+        (["--num-output-shards", "two"], "--num-output-shards: invalid int value: 'two'"),
+        (["--output-dtype", "fp8"], "--output-dtype: invalid choice: 'fp8'"),
+        (["--unflatten-weights", "maybe"], "expected True or False, got 'maybe'"),
+    ],
+)
+def test_bad_options(tmp_path: Path, capsys, extra: list[str], words: str) -> None:
+    pattern = _write(tmp_path)
+    extra = [str(tmp_path / "out" / "one.pt") if e == "OUT/one.pt" else e for e in extra]
+    assert words in _fails(tmp_path, capsys, _args(pattern, tmp_path, *extra))
+
+
+def test_unflattened_file_given_with_shards(tmp_path: Path, capsys) -> None:
+    pattern = _write(tmp_path)
+    assert main(["--input", pattern, "--output", str(tmp_path / "u" / "shard4.pt"), "--unflatten-weights", "--quiet"]) == 0
+    (tmp_path / "u" / "shard4.pt").rename(tmp_path / "ckpts" / SHARD.format(4))
+    line = _fails(tmp_path, capsys, _args(pattern, tmp_path))
+    assert f"{SHARD.format(4)}: looks unflattened" in line
