@@ -1,0 +1,340 @@
+"""Synthetic raw FSDP checkpoints of a requested size, written straight in the on-disk format.
+
+The structure is what `metaseq.cli.train` writes for the OPT-style LM (see
+/work/shared/FORMAT.md): a root FSDP instance holding the embeddings and the
+final layer norm, one nested instance per decoder layer, the output projection
+tied to the token embedding (recorded in the root's `shared_param_info`), a
+`decoder.version` buffer and Adam state sharded like the parameters. Names and
+shapes come from the real model built on the meta device, so they cannot drift.
+Widths are chosen so that the layers' flat parameters do not divide evenly and
+fairscale pads them.
+
+Nothing here materializes the model. Each flat parameter is drawn, split with
+fairscale's own `_get_shard`, and its per-rank pieces are appended to one
+scratch file per rank; each rank's checkpoint is then `torch.save`d from
+tensors mapped onto its scratch file. Anonymous memory stays near three copies
+of the largest flat parameter whatever the checkpoint size.
+"""
+from __future__ import annotations
+
+import dataclasses
+import glob
+import io
+import mmap
+import os
+import types
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO, Iterator
+
+import torch
+from fairscale.nn.data_parallel import FullyShardedDataParallel as FSDP
+
+from metaseq.file_io import atomic_torch_save, natural_sort_key, shard_file_name
+from metaseq.models.transformer_lm import ModelConfig, TransformerLanguageModel
+
+__all__ = [
+    "FlatLayout",
+    "SyntheticCheckpoint",
+    "build_rank_checkpoint",
+    "estimate_checkpoint_bytes",
+    "flat_layouts",
+    "model_config_for_width",
+    "plan_model_config",
+    "shard_numel",
+    "write_synthetic_checkpoint",
+]
+
+FLOAT_BYTES = 4  # everything synthetic is float32, as the repo's training writes
+STATE_KINDS = ("param", "exp_avg", "exp_avg_sq")  # scratch order per flat parameter
+ZIP_ALIGNMENT = 64  # torch.save pads each storage record to this boundary
+MIN_EMBED_DIM = 8
+NUM_UPDATES = 100
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    """One FSDP instance's flat parameter; names relative to `fsdp_path`, tied params once."""
+
+    fsdp_path: str  # "" for the root instance
+    names: tuple[str, ...]
+    shapes: tuple[torch.Size, ...]
+    shared_param_info: tuple[tuple[str, str], ...]  # (src, dst), relative to fsdp_path
+
+    @property
+    def numel(self) -> int:
+        return sum(s.numel() for s in self.shapes)
+
+    @property
+    def key(self) -> str:
+        return f"{self.fsdp_path}.flat_param_0" if self.fsdp_path else "flat_param_0"
+
+
+@dataclass(frozen=True)
+class SyntheticCheckpoint:
+    config: ModelConfig
+    world_size: int
+    paths: tuple[Path, ...]  # rank order
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(p.stat().st_size for p in self.paths)
+
+    @property
+    def glob_pattern(self) -> str:
+        """What `--input-glob-pattern` takes; matches exactly `paths`."""
+        name = glob.escape(self.paths[0].name).replace("shard0.pt", "shard*.pt")
+        return os.path.join(glob.escape(str(self.paths[0].parent)), name)
+
+
+def flat_layouts(config: ModelConfig) -> list[FlatLayout]:
+    """Root instance first (embeddings, final norm), then one per decoder layer."""
+    model = _meta_model(config)
+    first_name: dict[int, str] = {}
+    tied: list[tuple[str, str]] = []
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first_name:
+            tied.append((first_name[id(p)], name))
+        else:
+            first_name[id(p)] = name
+    root = [(n, p.shape) for n, p in model.named_parameters() if not n.startswith("decoder.layers.")]
+    layer = [(n, p.shape) for n, p in model.decoder.layers[0].named_parameters()]
+    layouts = [_layout("", root, tied)]
+    layouts += [_layout(f"decoder.layers.{k}", layer, []) for k in range(config.decoder_layers)]
+    return layouts
+
+
+def _meta_model(config: ModelConfig) -> TransformerLanguageModel:
+    """The model on the meta device (no data), with one layer: all layers are alike."""
+    with torch.device("meta"):
+        return TransformerLanguageModel(dataclasses.replace(config, decoder_layers=1))
+
+
+def _layout(fsdp_path: str, params: list[tuple[str, torch.Size]], tied: list[tuple[str, str]]) -> FlatLayout:
+    names, shapes = zip(*params)
+    return FlatLayout(fsdp_path, tuple(names), tuple(torch.Size(s) for s in shapes), tuple(tied))
+
+
+def _buffers(config: ModelConfig) -> dict[str, torch.Tensor]:
+    """The model's buffers; the only one is fairseq's `version` marker, which holds 3.0."""
+    return {name: torch.full(b.shape, 3.0) for name, b in _meta_model(config).named_buffers()}
+
+
+def model_config_for_width(embed_dim: int, layers: int) -> ModelConfig:
+    """OPT-like proportions; odd offsets keep flat parameters from dividing evenly."""
+    heads = max(h for h in range(1, 33) if embed_dim % h == 0)
+    return ModelConfig(
+        decoder_layers=layers,
+        decoder_embed_dim=embed_dim,
+        decoder_attention_heads=heads,
+        decoder_ffn_embed_dim=4 * embed_dim + 3,
+        max_target_positions=2 * embed_dim + 5,
+        vocab_size=16 * embed_dim + 7,
+    )
+
+
+def _width(i: int) -> int:
+    """The i-th allowed width: 8, 10, 14, 16, 20, ... (even, not a multiple of 3).
+
+    A layer's flat parameter has 12*D^2 + 19*D + 3 elements (ffn 4D+3), which is
+    then odd and not divisible by 3, so world sizes 2, 3, 4, 6, 8, 16, ... pad.
+    """
+    return MIN_EMBED_DIM + 6 * (i // 2) + 2 * (i % 2)
+
+
+def plan_model_config(size_bytes: int, world_size: int, *, layers: int = 12) -> ModelConfig:
+    """The model whose `world_size` shard files (model + Adam state) total closest to `size_bytes`."""
+    def estimate(i: int) -> int:
+        return estimate_checkpoint_bytes(model_config_for_width(_width(i), layers), world_size)
+
+    smallest = estimate(0)
+    if size_bytes < smallest:
+        raise ValueError(
+            f"--size-gb={size_bytes / 1e9:g} is too small for {world_size} shards of a {layers}-layer "
+            f"model; the smallest such checkpoint takes {smallest / 1e9:.4f} GB: raise --size-gb"
+        )
+    lo, hi = 0, 1
+    while estimate(hi) <= size_bytes:  # now estimate(lo) <= size < estimate(hi)
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if estimate(mid) <= size_bytes else (lo, mid)
+    best = min((lo, hi), key=lambda i: abs(estimate(i) - size_bytes))
+    return model_config_for_width(_width(best), layers)
+
+
+def estimate_checkpoint_bytes(config: ModelConfig, world_size: int) -> int:
+    """Bytes of all `world_size` shard files: tensor data plus one serialized skeleton per file."""
+    layouts, buffers = flat_layouts(config), _buffers(config)
+    buf = io.BytesIO()
+    torch.save(_skeleton_checkpoint(config, layouts, world_size), buf)
+    num_tensors = len(layouts) * (len(STATE_KINDS) + 1) + len(buffers)  # + one Adam step each
+    overhead = buf.tell() + ZIP_ALIGNMENT * num_tensors
+    floats = sum(shard_numel(layout.numel, world_size) for layout in layouts) * len(STATE_KINDS)
+    floats += len(layouts) + sum(b.numel() for b in buffers.values())  # steps, buffers
+    return world_size * (floats * FLOAT_BYTES + overhead)
+
+
+def shard_numel(numel: int, world_size: int) -> int:
+    """Elements per rank, read off fairscale's sharding of a meta tensor (no data)."""
+    shard, _ = FSDP._get_shard(types.SimpleNamespace(world_size=world_size, rank=0), torch.empty(numel, device="meta"))
+    return shard.numel()
+
+
+def _skeleton_checkpoint(config: ModelConfig, layouts: list[FlatLayout], world_size: int) -> dict[str, Any]:
+    empty = [{kind: torch.empty(0) for kind in STATE_KINDS} for _ in layouts]
+    return build_rank_checkpoint(config, layouts, empty, [0] * len(layouts), rank=0, world_size=world_size)
+
+
+def build_rank_checkpoint(
+    config: ModelConfig,
+    layouts: list[FlatLayout],
+    flats: list[dict[str, torch.Tensor]],
+    paddings: list[int],
+    *,
+    rank: int,
+    world_size: int,
+) -> dict[str, Any]:
+    """One rank's checkpoint dict in the FORMAT.md layout (pure: no I/O).
+
+    `flats[k]` holds this rank's 1-D pieces of flat parameter k under
+    `STATE_KINDS`, all padded with `paddings[k]` zeros as fairscale pads them.
+    """
+    buffers = _buffers(config)
+    model = {layouts[0].key: flats[0]["param"], **buffers}  # key order as FSDP writes it
+    model.update({layout.key: flat["param"] for layout, flat in zip(layouts[1:], flats[1:])})
+    param_metadata = [
+        {
+            "fsdp_path": layout.fsdp_path,
+            "params": {"flat_param_0": {
+                "names": list(layout.names),
+                "shapes": list(layout.shapes),
+                "numels": [s.numel() for s in layout.shapes],
+                "padding": padding,
+            }},
+            "no_broadcast_optim_state": False,
+            "shared_param_info": list(layout.shared_param_info),
+        }
+        for layout, padding in zip(layouts, paddings)
+    ]
+    state = {
+        k: {"step": torch.tensor(float(NUM_UPDATES)), "exp_avg": flat["exp_avg"], "exp_avg_sq": flat["exp_avg_sq"]}
+        for k, flat in enumerate(flats)
+    }
+    lr = 3e-4
+    group = {"lr": lr, "betas": (0.9, 0.98), "eps": 1e-8, "weight_decay": 0.0, "amsgrad": False,
+             "maximize": False, "foreach": None, "capturable": False, "differentiable": False,
+             "fused": None, "params": list(range(len(flats)))}
+    return {
+        "model": model,
+        "shard_metadata": {"param_metadata": param_metadata, "buffer_names": list(buffers)},
+        "last_optimizer_state": {"state": state, "param_groups": [group]},
+        "optimizer_history": [{"criterion_name": "CrossEntropyCriterion", "optimizer_name": "Adam",
+                               "lr_scheduler_state": {"lr": lr}, "num_updates": NUM_UPDATES}],
+        "extra_state": {"metrics": {"loss": 2.0}, "previous_training_time": 3600.0,
+                        "train_iterator": {"samples_seen": 8 * NUM_UPDATES}},
+        "cfg": _cfg(config, rank, world_size),
+    }
+
+
+def _cfg(config: ModelConfig, rank: int, world_size: int) -> dict[str, Any]:
+    """Same shape as `metaseq.cli.train.checkpoint_cfg`, so loaders find the model config."""
+    return {
+        "model": config.to_dict(),
+        "distributed_training": {"distributed_world_size": world_size, "distributed_rank": rank,
+                                 "ddp_backend": "fully_sharded", "use_sharded_state": True},
+        "optimization": {"lr": [3e-4], "max_update": NUM_UPDATES, "batch_size": 8},
+        "task": {"data": "synthetic", "seq_len": config.max_target_positions},
+        "common": {"seed": 0},
+    }
+
+
+def write_synthetic_checkpoint(
+    out_dir: str | os.PathLike,
+    config: ModelConfig,
+    world_size: int,
+    *,
+    prefix: str = "checkpoint_last",
+    seed: int = 0,
+) -> SyntheticCheckpoint:
+    """Write `{prefix}-model_part-0-shard{r}.pt` for r < world_size into `out_dir`.
+
+    Peak anonymous memory is about three copies of the largest flat parameter;
+    disk traffic is twice the checkpoint size (scratch file, then the shard).
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    layouts = flat_layouts(config)
+    scratch = [out_dir / f".synth-scratch-{r}.bin" for r in range(world_size)]
+    paths = tuple(out_dir / shard_file_name(prefix, 0, r) for r in range(world_size))
+    try:
+        lengths, paddings = _write_scratch(layouts, scratch, seed)
+        for r in range(world_size):
+            _save_rank(scratch[r], paths[r], config, layouts, lengths, [p[r] for p in paddings], r, world_size)
+            scratch[r].unlink()
+    finally:
+        for p in scratch:
+            p.unlink(missing_ok=True)
+    assert sorted(paths, key=natural_sort_key) == list(paths)
+    return SyntheticCheckpoint(config, world_size, paths)
+
+
+def _write_scratch(layouts: list[FlatLayout], scratch: list[Path], seed: int) -> tuple[list[int], list[list[int]]]:
+    """Append every rank's pieces to its scratch file; per flat param: length, and padding per rank."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths, paddings = [], []
+    with ExitStack() as stack:
+        files = [stack.enter_context(open(p, "wb")) for p in scratch]
+        for layout in layouts:
+            param = torch.randn(layout.numel, generator=gen).mul_(0.02)
+            for full in _optimizer_like(param):
+                length, pads = _append_shards(full, files)
+            lengths.append(length)
+            paddings.append(pads)
+    return lengths, paddings
+
+
+def _optimizer_like(param: torch.Tensor) -> Iterator[torch.Tensor]:
+    """param, exp_avg, exp_avg_sq in `STATE_KINDS` order, one at a time to bound memory."""
+    yield param
+    yield param * 1e-3
+    yield param.square().mul_(1e-6)
+
+
+def _append_shards(full: torch.Tensor, files: list[BinaryIO]) -> tuple[int, list[int]]:
+    """Split `full` exactly as FSDP does and append rank r's piece to files[r]."""
+    world_size = len(files)
+    pads = []
+    for rank, f in enumerate(files):
+        shard, pad = FSDP._get_shard(types.SimpleNamespace(world_size=world_size, rank=rank), full)
+        f.write(shard.numpy())
+        pads.append(pad)
+    return shard.numel(), pads
+
+
+def _save_rank(
+    scratch: Path,
+    path: Path,
+    config: ModelConfig,
+    layouts: list[FlatLayout],
+    lengths: list[int],
+    paddings: list[int],
+    rank: int,
+    world_size: int,
+) -> None:
+    """`torch.save` rank `rank`'s checkpoint from tensors mapped onto its scratch file."""
+    with open(scratch, "rb") as f:
+        # Copy-on-write: torch.frombuffer wants a writable buffer; nothing is written.
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    flats, offset = [], 0
+    for length in lengths:
+        flat = {}
+        for kind in STATE_KINDS:
+            flat[kind] = torch.frombuffer(mapped, dtype=torch.float32, count=length, offset=offset)
+            offset += length * FLOAT_BYTES
+        flats.append(flat)
+    assert offset == len(mapped), f"scratch {scratch}: mapped {offset} of {len(mapped)} bytes"
+    ckpt = build_rank_checkpoint(config, layouts, flats, paddings, rank=rank, world_size=world_size)
+    atomic_torch_save(ckpt, path)
+    # The tensors keep `mapped` alive; dropping them here unmaps the scratch file.

@@ -1,0 +1,178 @@
+"""Benchmark `metaseq.scripts.reshard_fsdp` on synthetic checkpoints against cp and load+save.
+
+    python -m metaseq.scripts.benchmark_reshard --size-gb 2 \\
+        --scenarios 8-1,8-16,1-8,16-3,8-1u --out results.json
+    python -m metaseq.scripts.benchmark_reshard --size-gb 0.05 --scenarios 256-1,1-256
+    python -m metaseq.scripts.benchmark_reshard --plot docs/performance.png   # needs the bench extra
+
+Prints a Markdown table (seconds, GB/s, ratio to each baseline, peak RSS and
+peak anonymous RSS against the memory bound, pass/fail per target) and writes
+the same as JSON with --out. See docs/performance.md for the method and targets.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import logging
+import os
+import platform
+import shutil
+import sys
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from metaseq.benchmark import runner, synth
+
+logger = logging.getLogger(__name__)
+
+TOOL_MODULE = "metaseq.scripts.reshard_fsdp"
+DEFAULT_SCENARIOS = "8-1,8-16,1-8,16-3,8-1u"
+DEFAULT_PLOT_SIZES = "0.25,0.5,1,2,4"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m metaseq.scripts.benchmark_reshard", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    parser.add_argument("--size-gb", type=float, default=2.0,
+                        help="total size of all input shard files, model + optimizer state (default 2)")
+    parser.add_argument("--scenarios", default=DEFAULT_SCENARIOS,
+                        help=f"comma list of N-M (flat) and N-1u (unflattened) runs (default {DEFAULT_SCENARIOS})")
+    parser.add_argument("--out", help="write the results as JSON to this file")
+    parser.add_argument("--workdir", help="folder for the synthetic checkpoints (default: a temp dir)")
+    parser.add_argument("--keep", action="store_true",
+                        help="keep the synthetic checkpoints (and the temp workdir) afterwards")
+    parser.add_argument("--layers", type=int, default=12, help="decoder layers of the synthetic model (default 12)")
+    parser.add_argument("--drop-caches", action="store_true",
+                        help="drop the page cache before every run (root only); default: warm cache")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="runs per contender; the fastest time and the highest memory count (default 1)")
+    parser.add_argument("--per-file-limit-s", type=float, default=runner.PER_FILE_LIMIT_S,
+                        help="time target of scenarios with more than 64 shards on a side (default 10)")
+    parser.add_argument("--timeout-s", type=float, default=None, help="kill any single run after this long")
+    parser.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
+    parser.add_argument("--plot", metavar="PNG",
+                        help="instead of the scenarios: time and memory of 8-1 vs load-everything over --plot-sizes")
+    parser.add_argument("--plot-sizes", default=DEFAULT_PLOT_SIZES, help=f"GB sizes for --plot ({DEFAULT_PLOT_SIZES})")
+    return parser
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Parse and check the flags; errors name the flag and exit 2."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        args.scenario_list = runner.parse_scenarios(args.scenarios)
+    except ValueError as e:
+        parser.error(str(e))
+    try:
+        args.sizes = [float(s) for s in args.plot_sizes.split(",") if s.strip()]
+    except ValueError:
+        parser.error(f"--plot-sizes {args.plot_sizes!r}: expected GB sizes such as 0.25,0.5,1")
+    if args.size_gb <= 0 or args.layers < 1 or args.repeat < 1 or any(s <= 0 for s in args.sizes):
+        parser.error(f"--size-gb={args.size_gb}, --layers={args.layers}, --repeat={args.repeat} "
+                     f"and --plot-sizes={args.plot_sizes} must be positive")
+    return args
+
+
+def machine_info(folder: Path) -> dict[str, Any]:
+    """CPUs, RAM, and the file system the benchmark wrote to."""
+    meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+    disk = shutil.disk_usage(folder)
+    return {
+        "cpus": os.cpu_count(),
+        "mem_total_bytes": int(meminfo["MemTotal"].split()[0]) * 1024,
+        "disk": _mount_of(folder.resolve()),
+        "disk_total_bytes": disk.total,
+        "disk_free_bytes": disk.free,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
+
+
+def _mount_of(path: Path) -> str:
+    """`device on mount point (fstype)` of the mount holding `path`, from /proc/mounts."""
+    mounts = [line.split()[:3] for line in Path("/proc/mounts").read_text().splitlines()]
+    inside = [m for m in mounts if path.is_relative_to(m[1])]
+    device, mount_point, fstype = max(inside, key=lambda m: len(m[1]))
+    return f"{device} on {mount_point} ({fstype})"
+
+
+def run_scenarios(config: runner.BenchConfig) -> tuple[dict[str, Any], bool]:
+    baselines, results = runner.run_benchmark(config)
+    sys.stdout.write(runner.format_table(baselines, results) + "\n")
+    report = {
+        "baselines": [asdict(b) for b in baselines],
+        "scenarios": [r.to_dict() for r in results],
+        "passed": all(r.passed for r in results),
+    }
+    return report, all(r.returncode == 0 for r in results)
+
+
+def run_plot(config: runner.BenchConfig, sizes: list[float], png: str) -> tuple[dict[str, Any], bool]:
+    from metaseq.benchmark.plot import plot_sweep  # matplotlib only here
+
+    points = runner.run_size_sweep(sizes, config)
+    plot_sweep(points, png)
+    logger.info("wrote %s", png)
+    ran = all(p.tool.returncode == 0 and p.reference.returncode == 0 for p in points)
+    report = {"sweep": [asdict(p) for p in points], "plot": png,
+              "passed": ran and all(p.tool.peak_anon <= p.memory_bound for p in points)}
+    return report, ran
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s | %(levelname)s | %(name)s | %(message)s")
+    args = parse_args(argv)
+    if importlib.util.find_spec(TOOL_MODULE) is None:
+        logger.error("%s is not importable; install the package (pip install -e .) first", TOOL_MODULE)
+        return 1
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="benchmark_reshard-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    config = runner.BenchConfig(
+        args.size_gb, args.scenario_list, workdir, layers=args.layers, drop_caches=args.drop_caches,
+        repeats=args.repeat, keep_inputs=args.keep, per_file_limit_s=args.per_file_limit_s,
+        timeout_s=args.timeout_s,
+    )
+    try:
+        _check_sizes(config, args.sizes if args.plot else None)  # before anything is written
+        report, ran = run_plot(config, args.sizes, args.plot) if args.plot else run_scenarios(config)
+    except (ValueError, RuntimeError) as e:  # a too small size, or a baseline that failed
+        logger.error("%s", e)
+        return 1
+    finally:
+        if not args.workdir and not args.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+    report.update(size_gb=args.size_gb, repeat=args.repeat, cache="dropped" if args.drop_caches else "warm",
+                  machine=machine_info(workdir if workdir.exists() else workdir.parent), limits=_limits(args))
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+        logger.info("wrote %s", args.out)
+    if not ran:
+        return 1
+    return 1 if args.check and not report["passed"] else 0
+
+
+def _check_sizes(config: runner.BenchConfig, sweep_sizes: list[float] | None) -> None:
+    """Raise ValueError (naming the flag) when a size is too small for its shard count."""
+    if sweep_sizes is None:
+        runner.plan_inputs(config)
+        return
+    try:
+        synth.plan_model_config(int(min(sweep_sizes) * runner.GB), runner.SWEEP_SCENARIO.inputs, layers=config.layers)
+    except ValueError as e:
+        raise ValueError(str(e).replace("--size-gb", "--plot-sizes")) from None
+
+
+def _limits(args: argparse.Namespace) -> dict[str, float]:
+    return {"load_save_factor": runner.LOAD_SAVE_FACTOR, "copy_factor": runner.COPY_FACTOR,
+            "slack_bytes": runner.SLACK_BYTES, "many_files": runner.MANY_FILES,
+            "per_file_limit_s": args.per_file_limit_s}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
