@@ -6,24 +6,27 @@ so that a crash never leaves a partial file at a final path.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import re
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import Any, BinaryIO, Callable
+from typing import Any, BinaryIO, Callable, Iterator
 
 import torch
 
 __all__ = [
     "CheckpointLoadError",
+    "atomic_output",
     "atomic_torch_save",
     "check_checkpoint_crc",
     "load_checkpoint",
     "load_checkpoint_skeleton",
     "natural_sort_key",
     "remove_stale_temp_files",
+    "save_to_file",
     "shard_file_name",
 ]
 
@@ -60,14 +63,25 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike, *, on_write: Callable[[
     as that OSError (torch would report it as an opaque RuntimeError). `on_write(nbytes)`
     is called after each write to the temp file (progress reporting).
     """
+    with atomic_output(path) as (f, _):
+        save_to_file(obj, f, on_write)
+
+
+@contextlib.contextmanager
+def atomic_output(path: str | os.PathLike) -> Iterator[tuple[BinaryIO, str]]:
+    """Write `path` through a temp file: yields (the temp file open for reading and writing, its path).
+
+    On success the file is flushed, fsync-ed and renamed over `path`, then the folder
+    is fsync-ed; on any error the temp file is removed (see `atomic_torch_save`).
+    """
     path = Path(path)
     folder = path.parent  # Path("name.pt").parent is Path(".")
     folder.mkdir(parents=True, exist_ok=True)
     remove_stale_temp_files(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp", dir=folder)
     try:
-        with os.fdopen(fd, "wb") as f:
-            _save_to_file(obj, f, on_write)
+        with os.fdopen(fd, "w+b") as f:
+            yield f, tmp
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -101,8 +115,13 @@ class _WriteErrorRecorder:
     def flush(self) -> None:
         self.f.flush()
 
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        """torch.save under `torch.serialization.skip_data` seeks over the records it leaves empty."""
+        return self.f.seek(offset, whence)
 
-def _save_to_file(obj: Any, f: BinaryIO, on_write: Callable[[int], None] | None = None) -> None:
+
+def save_to_file(obj: Any, f: BinaryIO, on_write: Callable[[int], None] | None = None) -> None:
+    """`torch.save(obj, f)`, raising a failed write as its OSError (e.g. ENOSPC)."""
     writer = _WriteErrorRecorder(f, on_write)
     try:
         torch.save(obj, writer)

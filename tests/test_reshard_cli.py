@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from metaseq.file_io import load_checkpoint
-from metaseq.reshard import driver
+from metaseq.reshard import driver, parallel
 from metaseq.scripts.reshard_fsdp import build_parser, main
 from synthetic import Opaque, assert_tree_equal, make_model, make_shards, write_shards
 
@@ -192,13 +192,13 @@ def test_corrupt_shard_fails_before_writing(shard_dir: Path, tmp_path: Path, cap
 def test_failure_while_writing_removes_outputs_already_written(shard_dir, tmp_path, monkeypatch, capsys) -> None:
     saved = []
 
-    def flaky_save(obj, path):
+    def flaky_save(obj, path, **kwargs):
         if saved:
             raise OSError(28, "No space left on device")
         torch.save(obj, path)
         saved.append(path)
 
-    monkeypatch.setattr(driver, "atomic_torch_save", flaky_save)
+    monkeypatch.setattr(parallel, "atomic_torch_save", flaky_save)
     out = tmp_path / "o{i}.pt"
     assert main(["--input", _pattern(shard_dir), "--output", str(out), "--num-output-shards", "2"]) == 2
     assert f"{str(out).replace('{i}', '1')}: cannot write (No space left on device)" in _error_line(capsys)

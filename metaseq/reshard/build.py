@@ -31,6 +31,7 @@ __all__ = [
     "ReshardOptions",
     "ReshardSource",
     "analyze_shards",
+    "assemble_output_shard",
     "build_output_shard",
     "consolidate_shards",
     "make_options",
@@ -143,12 +144,13 @@ def build_output_shard(
     """
     targets = plan_targets(source, options, rank)
     tensors = materialize_targets(targets, fetch, allocate=allocate, on_copied=on_copied)
-    return _assemble(source, options, rank, fetch(0), tensors)
+    return assemble_output_shard(source, options, rank, fetch(0), tensors)
 
 
-def _assemble(
+def assemble_output_shard(
     source: ReshardSource, options: ReshardOptions, rank: int, shard0: Mapping[str, Any], tensors: dict
 ) -> dict[str, Any]:
+    """Output shard `rank` around `tensors` (target path -> tensor); other keys from input rank 0's `shard0`."""
     out: dict[str, Any] = {}
     for key, value in shard0.items():
         if key == "model":

@@ -18,6 +18,7 @@ import torch
 
 from metaseq.file_io import load_checkpoint, natural_sort_key
 from metaseq.reshard.build import ReshardOptions, ReshardSource, analyze_shards, make_options, plan_targets
+from metaseq.reshard.locate import LocatedFile, locate_tensors
 from metaseq.reshard.parallel import list_jobs, write_jobs
 from metaseq.reshard.progress import Progress
 from metaseq.reshard.schema import ReshardError
@@ -47,6 +48,7 @@ class ReshardPlan:
     source: ReshardSource
     options: ReshardOptions
     trust_checkpoint: bool
+    located: tuple[LocatedFile | None, ...] = ()  # per input: tensor offsets, so writing skips unpickling
 
 
 def _last_int(pattern: re.Pattern, path: str) -> int | None:
@@ -64,7 +66,8 @@ def find_input_shards(input_glob_pattern: str) -> list[str]:
     if len(parts) > 1:
         raise ReshardError(
             f"inputs mix model parts {sorted(parts, key=str)} ({_few(paths)}); reshard one model part "
-            "at a time, e.g. --input-glob-pattern '...-model_part-0-shard*.pt'"
+            "at a time, e.g. --input-glob-pattern '...-model_part-0-shard*.pt', or every part with '{j}' "
+            "in both names: '...-model_part-{j}-shard*.pt' and '...-model_part-{j}-shard{i}.pt'"
         )
     indices = [_last_int(_SHARD_RE, p) for p in paths]
     if len(paths) == 1 and indices[0] is None:
@@ -118,6 +121,8 @@ def output_shard_paths(
 
 def _skeleton(obj: Any) -> Any:
     """Tensors -> meta tensors (shape and dtype only), 0-dim tensors kept; containers rebuilt."""
+    if type(obj) in (str, int, float, bool, type(None), torch.Size):  # fast path: most objects are names, shapes
+        return obj
     if torch.is_tensor(obj):
         return obj.clone() if obj.dim() == 0 else torch.empty(obj.shape, dtype=obj.dtype, device="meta")
     if isinstance(obj, Mapping):
@@ -127,8 +132,9 @@ def _skeleton(obj: Any) -> Any:
     return obj
 
 
-def _load_skeleton(path: str, trust: bool) -> dict[str, Any]:
-    return _skeleton(load_checkpoint(path, mmap=True, trust=trust))
+def _load_skeleton(path: str, trust: bool) -> tuple[dict[str, Any], LocatedFile | None]:
+    shard = load_checkpoint(path, mmap=True, trust=trust)
+    return _skeleton(shard), locate_tensors(shard, path)
 
 
 def plan_reshard_fsdp(
@@ -154,9 +160,9 @@ def plan_reshard_fsdp(
     inputs = find_input_shards(input_glob_pattern)
     logger.info("found %d input shard(s) matching %r", len(inputs), input_glob_pattern)
     outputs = output_shard_paths(output_shard_name, num_output_shards, inputs, overwrite=overwrite)
-    skeletons = [_load_skeleton(p, trust_checkpoint) for p in inputs]
+    skeletons, located = zip(*(_load_skeleton(p, trust_checkpoint) for p in inputs))
     source = analyze_shards(skeletons, inputs, options)
-    return ReshardPlan(tuple(inputs), tuple(outputs), source, options, trust_checkpoint)
+    return ReshardPlan(tuple(inputs), tuple(outputs), source, options, trust_checkpoint, located)
 
 
 def write_reshard_outputs(

@@ -28,6 +28,7 @@ from metaseq.reshard.parallel import (
     available_cpus,
     default_num_workers,
     estimated_peak,
+    held_bytes,
     list_jobs,
     memory_bound,
     remove_outputs,
@@ -55,7 +56,9 @@ def expand_model_parts(input_glob_pattern: str, output_shard_name: str) -> list[
     if not in_has and not out_has:
         return [(input_glob_pattern, output_shard_name)]
     if in_has != out_has:
-        has, lacks = ("--input-glob-pattern", "--output-shard-name") if in_has else ("--output-shard-name", "--input-glob-pattern")
+        has, lacks = "--input-glob-pattern", "--output-shard-name"
+        if out_has:
+            has, lacks = lacks, has
         raise ReshardError(
             f"{has} has '{PART}' but {lacks} has not; put '{PART}' (the model part number) in both, e.g. "
             "'ckpts/checkpoint_last-model_part-{j}-shard*.pt' and 'out/reshard-model_part-{j}.pt'"
@@ -80,7 +83,8 @@ def _find_parts(pattern: str) -> list[str]:
 
 def plan_model_parts(input_glob_pattern: str, output_shard_name: str, **plan_options: Any) -> list[ReshardPlan]:
     """`plan_reshard_fsdp` for every model part; options as there."""
-    plans = [plan_reshard_fsdp(i, o, **plan_options) for i, o in expand_model_parts(input_glob_pattern, output_shard_name)]
+    parts = expand_model_parts(input_glob_pattern, output_shard_name)
+    plans = [plan_reshard_fsdp(pattern, name, **plan_options) for pattern, name in parts]
     seen: dict[str, str] = {}
     for plan in plans:
         for path in plan.outputs:
@@ -159,7 +163,7 @@ def _write(
     for plan in plans:
         into = f" into {plan.outputs[0]}{', ...' if len(plan.outputs) > 1 else ''}" if len(plans) > 1 else ""
         logger.info("resharding %s%s", summarize_plan(plan), into)
-    workers = _choose_workers(num_workers, plans, jobs, cpus)
+    workers = _choose_workers(num_workers, plans, jobs, cpus, checksums)
     progress = make_progress(sum(j.nbytes for j in jobs), len(jobs), quiet=quiet, label=label)
     return write_jobs(plans, jobs, num_workers=workers, progress=progress, checksums=checksums)
 
@@ -171,24 +175,28 @@ def _verify(plans: Sequence[ReshardPlan], verify: bool) -> None:
             logger.info("%s", verify_reshard_outputs(plan))
 
 
-def _choose_workers(requested: int | None, plans: Sequence[ReshardPlan], jobs: Sequence[OutputJob], cpus: int) -> int:
-    largest = max((j.nbytes for j in jobs), default=0)
+def _choose_workers(
+    requested: int | None, plans: Sequence[ReshardPlan], jobs: Sequence[OutputJob], cpus: int, checksums: bool
+) -> int:
+    held = held_bytes(plans, jobs, checksums)
     if requested is not None:
         workers = max(1, min(requested, len(jobs)))
         if workers > 1:
-            logger.info("%d worker processes: peak memory about %d MiB", workers, estimated_peak(workers, largest) // MIB)
+            logger.info("%d worker processes: peak memory about %d MiB", workers, estimated_peak(workers, held) // MIB)
         return workers
-    workers = default_num_workers(plans, jobs, cpus=cpus)
+    workers = default_num_workers(plans, jobs, cpus=cpus, checksums=checksums)
     if workers < min(cpus, len(jobs)):
         logger.info(
-            "%d worker process(es): more would exceed the memory bound of %d MiB "
-            "(--num-workers K > 1 takes about %d MiB + K x %d MiB)",
-            workers, memory_bound(plans, jobs) // MIB, 2 * PROCESS_BYTES // MIB, (PROCESS_BYTES + largest) // MIB,
+            "%d writer process(es): more would not pay off or would exceed the memory bound of %d MiB "
+            "(--num-workers K > 1: about %d MiB + K x %d MiB)",
+            workers, memory_bound(plans, jobs) // MIB, 2 * PROCESS_BYTES // MIB, (PROCESS_BYTES + held) // MIB,
         )
     return workers
 
 
-def _run_on_world(world: World, plans: Sequence[ReshardPlan], num_workers: int | None, verify: bool, quiet: bool) -> None:
+def _run_on_world(
+    world: World, plans: Sequence[ReshardPlan], num_workers: int | None, verify: bool, quiet: bool
+) -> None:
     """Rank r writes jobs r, r + size, ...; every phase ends with the ranks agreeing that it succeeded."""
     jobs = list_jobs(plans)
     mine = [j for j in jobs if j.index % world.size == world.rank]
@@ -198,7 +206,9 @@ def _run_on_world(world: World, plans: Sequence[ReshardPlan], num_workers: int |
     try:
         cpus, label = available_cpus(world.local_size), f"rank 0 of {world.size}"
         quiet = quiet or world.rank != 0  # one progress display: rank 0's
-        dist_run.agree(world, lambda: written.extend(_write(plans, mine, num_workers, verify, quiet, cpus=cpus, label=label)))
+        dist_run.agree(world, lambda: written.extend(
+            _write(plans, mine, num_workers, verify, quiet, cpus=cpus, label=label)
+        ))
         dist_run.agree(world, lambda: _verify(shared, verify))
     except ReshardError:  # raised by `agree` on every rank alike
         remove_outputs(written)

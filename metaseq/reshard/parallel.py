@@ -26,7 +26,9 @@ import torch
 
 from metaseq.file_io import atomic_torch_save, load_checkpoint, remove_stale_temp_files
 from metaseq.reshard.build import build_output_shard, plan_targets
+from metaseq.reshard.locate import map_located
 from metaseq.reshard.progress import JobMeter, Progress, Send
+from metaseq.reshard.stream import CHUNK_BYTES, stream_output_shard, zip_crc32
 from metaseq.reshard.schema import ReshardError
 
 if TYPE_CHECKING:
@@ -37,9 +39,13 @@ __all__ = [
     "OutputWriter",
     "available_cpus",
     "default_num_workers",
+    "estimated_peak",
+    "held_bytes",
     "list_jobs",
     "memory_bound",
+    "remove_outputs",
     "save_output",
+    "streams",
     "write_jobs",
 ]
 
@@ -47,6 +53,8 @@ MIB = 1 << 20
 SLACK_BYTES = 256 * MIB  # issue 6: allowed on top of the output (and largest flat parameter)
 PROCESS_BYTES = 160 * MIB  # anonymous memory of a Python process once torch is imported (measured 146 MiB)
 POLL_SECONDS = 0.2
+STREAM_MIN_BYTES = 64 * MIB  # smaller outputs are built in memory (streaming saves and re-reads each file)
+BYTES_PER_WORKER = 2 << 30  # starting the pool (forkserver importing torch) takes ~2 s: worth it for this much
 
 
 @dataclass(frozen=True)
@@ -64,8 +72,9 @@ def list_jobs(plans: Sequence[ReshardPlan]) -> list[OutputJob]:
     """Every output of every plan, part by part, in shard order."""
     jobs: list[OutputJob] = []
     for p, plan in enumerate(plans):
+        # Every output shard of a plan has the same tensor shapes (FSDP pads all ranks alike).
+        nbytes = sum(t.nbytes for t in plan_targets(plan.source, plan.options, 0))
         for rank, path in enumerate(plan.outputs):
-            nbytes = sum(t.nbytes for t in plan_targets(plan.source, plan.options, rank))
             jobs.append(OutputJob(len(jobs), p, rank, path, nbytes))
     return jobs
 
@@ -94,40 +103,56 @@ def available_cpus(processes_per_node: int = 1) -> int:
     return max(1, cpus // max(1, processes_per_node))
 
 
-def default_num_workers(plans: Sequence[ReshardPlan], jobs: Sequence[OutputJob], *, cpus: int) -> int:
+def default_num_workers(
+    plans: Sequence[ReshardPlan], jobs: Sequence[OutputJob], *, cpus: int, checksums: bool = False
+) -> int:
     """Most workers (at most `cpus` and one per job) whose estimated peak stays within `memory_bound`.
 
     K > 1 workers cost this process, the forkserver and K workers, each `PROCESS_BYTES`,
-    plus K output shards held at once; one worker is this process alone. Bigger K
-    is a choice for the user (`--num-workers`), who then accepts K x the memory.
+    plus what K writers hold at once (`held_bytes`); one worker is this process alone.
+    Each worker must also have `BYTES_PER_WORKER` to write, or starting it costs more
+    than it saves. Bigger K is the user's choice (`--num-workers`), at K x the memory.
     """
     bound = memory_bound(plans, jobs)
-    largest = max((j.nbytes for j in jobs), default=0)
+    largest = held_bytes(plans, jobs, checksums)
+    limit = min(cpus, len(jobs), max(1, sum(j.nbytes for j in jobs) // BYTES_PER_WORKER))
     k = 1
-    while k < min(cpus, len(jobs)) and estimated_peak(k + 1, largest) <= bound:
+    while k < limit and estimated_peak(k + 1, largest) <= bound:
         k += 1
     return k
 
 
-def estimated_peak(num_workers: int, largest_output: int) -> int:
-    """Peak anonymous memory of the whole process tree with `num_workers` writers."""
+def estimated_peak(num_workers: int, largest_held: int) -> int:
+    """Peak anonymous memory of the whole process tree with `num_workers` writers (see `held_bytes`)."""
     if num_workers <= 1:
-        return PROCESS_BYTES + largest_output
-    return 2 * PROCESS_BYTES + num_workers * (PROCESS_BYTES + largest_output)
+        return PROCESS_BYTES + largest_held
+    return 2 * PROCESS_BYTES + num_workers * (PROCESS_BYTES + largest_held)
+
+
+def streams(job: OutputJob, checksums: bool) -> bool:
+    """Whether `job` is written by `stream_output_shard` (big, and no CRC32s wanted)."""
+    return not checksums and job.nbytes >= STREAM_MIN_BYTES
+
+
+def held_bytes(plans: Sequence[ReshardPlan], jobs: Sequence[OutputJob], checksums: bool = False) -> int:
+    """Most anonymous memory one writer holds for a job: the output built in memory, or a cast buffer.
+
+    Trusted inputs may carry tensors inside arbitrary objects, which cannot be streamed:
+    their outputs count as built in memory.
+    """
+    return max((CHUNK_BYTES if streams(j, checksums) and not plans[j.plan].trust_checkpoint else j.nbytes
+                for j in jobs), default=0)
 
 
 @contextlib.contextmanager
-def _zip_crc32(enabled: bool) -> Iterator[None]:
-    """torch.save computes zip CRC32s at ~0.3 GB/s; torch.load never reads them."""
-    if not hasattr(torch.serialization, "set_crc32_options"):  # older torch: always computed
-        yield
-        return
-    before = torch.serialization.get_crc32_options()
-    torch.serialization.set_crc32_options(enabled)
+def _one_thread() -> Iterator[None]:
+    """Copies are memory-bound: torch's intra-op threads only add spinning (2-5x slower on busy CPUs)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
     try:
         yield
     finally:
-        torch.serialization.set_crc32_options(before)
+        torch.set_num_threads(before)
 
 
 def save_output(shard: dict[str, Any], path: str, *, meter: JobMeter | None = None, checksums: bool = False) -> int:
@@ -137,7 +162,7 @@ def save_output(shard: dict[str, Any], path: str, *, meter: JobMeter | None = No
     computing them made saving 3-5x slower than the rest of a reshard.
     """
     try:
-        with _zip_crc32(checksums):
+        with zip_crc32(checksums):
             atomic_torch_save(shard, path, on_write=meter.written if meter is not None else None)
         return os.path.getsize(path)
     except OSError as e:
@@ -145,10 +170,12 @@ def save_output(shard: dict[str, Any], path: str, *, meter: JobMeter | None = No
 
 
 class _InputCache:
-    """mmap-loaded inputs; keeps the current part's rank 0 (every output reads it) and the last other one.
+    """Inputs for `build_output_shard`: rank 0 loaded (its other keys are carried), others mapped.
 
-    Consecutive outputs usually start in the input where the previous one stopped, so
-    each input's pickle is read about once. Kept inputs cost address space, not memory.
+    An input the planner located (`metaseq.reshard.locate`) is only mapped, not
+    unpickled again. Keeps the current part's rank 0 and the last other input:
+    consecutive outputs usually start in the input where the previous one stopped.
+    Kept inputs cost address space, not memory.
     """
 
     def __init__(self) -> None:
@@ -157,7 +184,11 @@ class _InputCache:
     def fetch(self, plan: ReshardPlan, rank: int) -> dict[str, Any]:
         path = plan.inputs[rank]
         if path not in self.kept:
-            shard = load_checkpoint(path, mmap=True, trust=plan.trust_checkpoint)
+            located = plan.located[rank] if rank and rank < len(plan.located) else None
+            if located is not None:
+                shard = map_located(located)
+            else:
+                shard = load_checkpoint(path, mmap=True, trust=plan.trust_checkpoint)
             self.kept = {p: v for p, v in self.kept.items() if p == plan.inputs[0]}
             self.kept[path] = shard
         return self.kept[path]
@@ -198,12 +229,24 @@ class OutputWriter:
         self.last_plan: int | None = None
 
     def write(self, job: OutputJob, send: Send | None = None) -> int:
-        """Write `job.path`; returns its size in bytes."""
+        """Write `job.path` (streamed when big, else built in memory); returns its size in bytes."""
         plan = self.plans[job.plan]
+        meter = JobMeter(job.index, job.nbytes, send)
+
+        def fetch(rank: int) -> dict[str, Any]:
+            return self.inputs.fetch(plan, rank)
+
+        if streams(job, self.checksums):
+            try:
+                size = stream_output_shard(plan.source, plan.options, job.rank, fetch, job.path,
+                                           trust=plan.trust_checkpoint, report=meter.streamed)
+            except OSError as e:
+                raise ReshardError(f"{job.path}: cannot write ({e.strerror or e})") from e
+            if size is not None:
+                return size
         if job.plan != self.last_plan:  # other shapes: drop the previous part's buffers first
             self.buffers, self.last_plan = _Buffers(), job.plan
-        meter = JobMeter(job.index, job.nbytes, send)
-        shard = build_output_shard(plan.source, plan.options, job.rank, lambda r: self.inputs.fetch(plan, r),
+        shard = build_output_shard(plan.source, plan.options, job.rank, fetch,
                                    allocate=self.buffers.allocate, on_copied=meter.copied)
         size = save_output(shard, job.path, meter=meter, checksums=self.checksums)
         del shard
@@ -225,18 +268,36 @@ def write_jobs(
     is raised: a worker's error as itself (ReshardError, CheckpointLoadError, ...).
     """
     progress = progress or Progress(sum(j.nbytes for j in jobs), len(jobs))
+    paths = [j.path for j in jobs]
+    before = _file_ids(paths)
     written: list[str] = []
     try:
         if num_workers <= 1 or len(jobs) <= 1:
-            _write_here(plans, jobs, progress, written, checksums)
+            with _one_thread():
+                _write_here(plans, jobs, progress, written, checksums)
         else:
             _write_in_pool(plans, jobs, min(num_workers, len(jobs)), progress, written, checksums)
     except BaseException:
-        remove_outputs(written, [j.path for j in jobs])
+        # Also outputs renamed into place just before the error, not yet in `written`.
+        now = _file_ids(paths)
+        remove_outputs([p for p in paths if now[p] is not None and now[p] != before[p]], paths)
         raise
     finally:
         progress.close()
     return written
+
+
+def _file_ids(paths: Sequence[str]) -> dict[str, tuple[int, int] | None]:
+    """(device, inode) per existing path: a file this run renamed into place has a new one."""
+    ids: dict[str, tuple[int, int] | None] = {}
+    for path in paths:
+        try:
+            stat = os.stat(path)
+        except OSError:
+            ids[path] = None
+        else:
+            ids[path] = (stat.st_dev, stat.st_ino)
+    return ids
 
 
 def remove_outputs(written: Sequence[str], planned: Sequence[str] = ()) -> None:
@@ -264,6 +325,7 @@ _worker: dict[str, Any] = {}
 
 
 def _init_worker(plans: Sequence[ReshardPlan], queue: Any, checksums: bool) -> None:
+    torch.set_num_threads(1)
     _worker["writer"] = OutputWriter(plans, checksums=checksums)
     _worker["queue"] = queue
 

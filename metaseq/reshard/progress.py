@@ -37,6 +37,11 @@ class JobMeter:
         self.moved += nbytes
         self._report()
 
+    def streamed(self, nbytes: int) -> None:
+        """Copied and written at once (`metaseq.reshard.stream`)."""
+        self.moved += 2 * nbytes
+        self._report()
+
     def _report(self) -> None:
         credit = min(self.job_bytes, self.moved // 2)
         if self.send is not None and credit - self.reported >= SEND_STEP_BYTES:

@@ -51,10 +51,12 @@ examples:
     --input "ckpts/checkpoint_last-model_part-{j}-shard*.pt" \\
     --output "ckpts64/checkpoint_last-model_part-{j}-shard{i}.pt" --num-output-shards 64 --num-workers 1
 
-memory: one process holds one output shard at a time (peak about the largest output
-shard + the largest flat parameter + 256 MiB). --num-workers K writes K outputs at
-once in K processes, about K x (output shard + 160 MiB); by default K is the most
-that stays within that bound (often 1).
+memory: outputs of 64 MiB and more are streamed from the inputs into their files, so
+a process needs about 160 MiB whatever their size; smaller ones (and all with --verify)
+are built in memory one at a time. --num-workers K writes K outputs at once in K
+processes (about 320 MiB + K x (160 MiB + what one writer holds)); by default K stays
+within the largest output shard + the largest flat parameter + 256 MiB, and each
+worker gets at least 2 GiB to write (often K = 1).
 """
 
 TRUE_WORDS = {"true", "1", "yes", "y", "on"}
