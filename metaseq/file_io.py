@@ -13,7 +13,7 @@ import re
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterator
+from typing import Any, BinaryIO, Callable, Iterator, Mapping
 
 import torch
 
@@ -24,6 +24,7 @@ __all__ = [
     "check_checkpoint_crc",
     "load_checkpoint",
     "load_checkpoint_skeleton",
+    "skeleton",
     "natural_sort_key",
     "remove_stale_temp_files",
     "save_to_file",
@@ -224,16 +225,19 @@ def load_checkpoint_skeleton(path: str | os.PathLike, *, trust: bool = False) ->
     0-dim tensors (e.g. an optimizer `step`) keep their value. Only the pickle is read
     (the file is mmap-loaded and nothing else is touched).
     """
-    return _skeleton(load_checkpoint(path, mmap=True, trust=trust))
+    return skeleton(load_checkpoint(path, mmap=True, trust=trust))
 
 
-def _skeleton(obj: Any) -> Any:
+def skeleton(obj: Any) -> Any:
+    """Tensors -> meta tensors (shape and dtype only), 0-dim tensors kept; containers rebuilt."""
+    if type(obj) in (str, int, float, bool, type(None), torch.Size):  # fast path: most objects are names, shapes
+        return obj
     if torch.is_tensor(obj):
         return obj.clone() if obj.dim() == 0 else torch.empty(obj.shape, dtype=obj.dtype, device="meta")
-    if isinstance(obj, dict):
-        return {k: _skeleton(v) for k, v in obj.items()}
+    if isinstance(obj, Mapping):
+        return {k: skeleton(v) for k, v in obj.items()}
     if type(obj) in (list, tuple):
-        return type(obj)(_skeleton(v) for v in obj)
+        return type(obj)(skeleton(v) for v in obj)
     return obj
 
 

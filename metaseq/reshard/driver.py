@@ -12,11 +12,11 @@ import logging
 import os
 import re
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 import torch
 
-from metaseq.file_io import load_checkpoint, natural_sort_key
+from metaseq.file_io import load_checkpoint, natural_sort_key, skeleton
 from metaseq.reshard.build import ReshardOptions, ReshardSource, analyze_shards, make_options, plan_targets
 from metaseq.reshard.locate import LocatedFile, locate_tensors
 from metaseq.reshard.parallel import list_jobs, write_jobs
@@ -119,22 +119,9 @@ def output_shard_paths(
     return outputs
 
 
-def _skeleton(obj: Any) -> Any:
-    """Tensors -> meta tensors (shape and dtype only), 0-dim tensors kept; containers rebuilt."""
-    if type(obj) in (str, int, float, bool, type(None), torch.Size):  # fast path: most objects are names, shapes
-        return obj
-    if torch.is_tensor(obj):
-        return obj.clone() if obj.dim() == 0 else torch.empty(obj.shape, dtype=obj.dtype, device="meta")
-    if isinstance(obj, Mapping):
-        return {k: _skeleton(v) for k, v in obj.items()}
-    if type(obj) in (list, tuple):
-        return type(obj)(_skeleton(v) for v in obj)
-    return obj
-
-
 def _load_skeleton(path: str, trust: bool) -> tuple[dict[str, Any], LocatedFile | None]:
     shard = load_checkpoint(path, mmap=True, trust=trust)
-    return _skeleton(shard), locate_tensors(shard, path)
+    return skeleton(shard), locate_tensors(shard, path)
 
 
 def plan_reshard_fsdp(

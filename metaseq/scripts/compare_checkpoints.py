@@ -13,7 +13,7 @@ import glob
 import logging
 import sys
 
-from metaseq.file_io import CheckpointLoadError
+from metaseq.cli_logging import cli_logging, one_line_error
 from metaseq.reshard.compare import compare_tensor_sets, describe_comparison, open_tensor_set
 from metaseq.reshard.driver import find_input_shards
 from metaseq.reshard.schema import ReshardError
@@ -83,30 +83,14 @@ def _run(args: argparse.Namespace) -> int:
     return 0 if comparison.equal else 1
 
 
-def _one_line(err: BaseException) -> str:
-    text = " ".join(str(err).split())
-    return text if isinstance(err, (ReshardError, CheckpointLoadError, OSError)) else f"{type(err).__name__}: {text}"
-
-
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point: 0 the same, 1 different, 2 an error (one line on stderr)."""
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
-    package_logger = logging.getLogger("metaseq")
-    saved = (package_logger.level, package_logger.propagate)
-    package_logger.addHandler(handler)
-    package_logger.setLevel(logging.WARNING)
-    package_logger.propagate = False
-    try:
-        return _run(build_parser().parse_args(argv))
-    except Exception as err:  # noqa: BLE001 -- any error: one line, no traceback
-        logger.error("%s", _one_line(err))
-        return 2
-    finally:
-        package_logger.removeHandler(handler)
-        package_logger.setLevel(saved[0])
-        package_logger.propagate = saved[1]
-
+    with cli_logging(logging.WARNING):
+        try:
+            return _run(build_parser().parse_args(argv))
+        except Exception as err:  # noqa: BLE001 -- any error: one line, no traceback
+            logger.error("%s", one_line_error(err))
+            return 2
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -14,7 +14,7 @@ import sys
 import threading
 from typing import Any
 
-from metaseq.file_io import CheckpointLoadError
+from metaseq.cli_logging import cli_logging, one_line_error
 from metaseq.reshard.build import DTYPES, consolidate_shards, reshard_shards
 from metaseq.reshard.distributed import World, detect_world
 from metaseq.reshard.driver import describe_reshard_plan, reshard_fsdp_checkpoints
@@ -150,13 +150,6 @@ def _run(args: argparse.Namespace, world: World | None) -> int:
     return 0
 
 
-def _one_line(err: BaseException) -> str:
-    text = " ".join(str(err).split())
-    if isinstance(err, (ReshardError, CheckpointLoadError, OSError)):
-        return text
-    return f"{type(err).__name__}: {text}"
-
-
 class _Terminated(SystemExit):
     """SIGTERM (e.g. torchrun stopping the other ranks) as an exception: outputs are removed on the way out."""
 
@@ -174,33 +167,23 @@ def _on_sigterm(handler: Any) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point; returns 0 on success and 2 on any error (reported as one line on stderr)."""
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
-    package_logger = logging.getLogger("metaseq")
-    saved = (package_logger.level, package_logger.propagate)
-    package_logger.addHandler(handler)
-    package_logger.setLevel(logging.INFO)
-    package_logger.propagate = False
-    previous_sigterm = _on_sigterm(_raise_terminated)
-    try:
-        args = build_parser().parse_args(argv)
-        world = detect_world()  # torchrun / srun: only rank 0 logs progress
-        if args.quiet or (world is not None and world.rank != 0):
-            package_logger.setLevel(logging.WARNING)
-        return _run(args, world)
-    except Exception as err:  # noqa: BLE001 -- any error: one line, no traceback
-        logger.error("%s", _one_line(err))
-        return 2
-    except _Terminated:
-        logger.error("terminated by SIGTERM; any outputs of this run were removed")
-        return 2
-    finally:
-        if previous_sigterm is not None:
-            _on_sigterm(previous_sigterm)
-        package_logger.removeHandler(handler)
-        package_logger.setLevel(saved[0])
-        package_logger.propagate = saved[1]
-
+    with cli_logging(logging.INFO) as package_logger:
+        previous_sigterm = _on_sigterm(_raise_terminated)
+        try:
+            args = build_parser().parse_args(argv)
+            world = detect_world()  # torchrun / srun: only rank 0 logs progress
+            if args.quiet or (world is not None and world.rank != 0):
+                package_logger.setLevel(logging.WARNING)
+            return _run(args, world)
+        except Exception as err:  # noqa: BLE001 -- any error: one line, no traceback
+            logger.error("%s", one_line_error(err))
+            return 2
+        except _Terminated:
+            logger.error("terminated by SIGTERM; any outputs of this run were removed")
+            return 2
+        finally:
+            if previous_sigterm is not None:
+                _on_sigterm(previous_sigterm)
 
 if __name__ == "__main__":
     sys.exit(main())

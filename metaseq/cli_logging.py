@@ -1,0 +1,44 @@
+"""Logging and error reporting shared by the command-line tools.
+
+Library code only logs; a CLI's `main()` wraps its run in `cli_logging()` so that
+messages go to stderr as `LEVEL: message` for that call alone, and reports any
+error with `one_line_error()`: one line, no traceback.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+from typing import Iterator
+
+from metaseq.file_io import CheckpointLoadError
+from metaseq.reshard.schema import ReshardError
+
+__all__ = ["cli_logging", "one_line_error"]
+
+# Errors whose message already names the culprit and the fix.
+_SELF_EXPLAINING = (ReshardError, CheckpointLoadError, OSError)
+
+
+@contextlib.contextmanager
+def cli_logging(level: int = logging.INFO) -> Iterator[logging.Logger]:
+    """Send the `metaseq` loggers to stderr at `level` while the block runs, then restore them."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
+    package_logger = logging.getLogger("metaseq")
+    saved = (package_logger.level, package_logger.propagate)
+    package_logger.addHandler(handler)
+    package_logger.setLevel(level)
+    package_logger.propagate = False
+    try:
+        yield package_logger
+    finally:
+        package_logger.removeHandler(handler)
+        package_logger.setLevel(saved[0])
+        package_logger.propagate = saved[1]
+
+
+def one_line_error(err: BaseException) -> str:
+    """The error as one line; unexpected error types keep their type name for the bug report."""
+    text = " ".join(str(err).split())
+    return text if isinstance(err, _SELF_EXPLAINING) else f"{type(err).__name__}: {text}"
