@@ -6,6 +6,7 @@ error with `one_line_error()`: one line, no traceback.
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import logging
 import sys
@@ -14,10 +15,17 @@ from typing import Iterator
 from metaseq.file_io import CheckpointLoadError
 from metaseq.reshard.schema import ReshardError
 
-__all__ = ["cli_logging", "one_line_error"]
+__all__ = ["OneLineErrorParser", "cli_logging", "one_line_error"]
 
 # Errors whose message already names the culprit and the fix.
 _SELF_EXPLAINING = (ReshardError, CheckpointLoadError, OSError)
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """Argument errors become one-line ReshardErrors, reported by `main()` like any other error."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ReshardError(f"{message} (see --help)")
 
 
 @contextlib.contextmanager

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from metaseq.checkpoint_utils import restore_prefix
 from metaseq.file_io import load_checkpoint, natural_sort_key
 from metaseq.models.transformer_lm import ModelConfig, TransformerLanguageModel, build_model
+from metaseq.reshard.schema import clean_key
 from metaseq.scripts.reshard_fsdp import ReshardError, consolidate_shards
 from metaseq.tokenizer import BOS, EOS, PAD, UNK, decode, encode
 
@@ -51,7 +52,6 @@ logger = logging.getLogger(__name__)
 
 NEWLINE = encode("\n", bos=False)[0]
 _FLAT_KEY = re.compile(r"(^|\.)flat_param_\d+$")
-_WRAPPER_SEGMENTS = frozenset({"_fsdp_wrapped_module", "_fpw_module"})
 _GLOB_CHARS = re.compile(r"[*?\[]")
 _SHARD_INDEX = re.compile(r"-shard(\d+)\.pt$")
 _SHOWN_KEYS = 6
@@ -128,7 +128,7 @@ def build_inference_model(ckpt: Mapping[str, Any], *, source: str) -> Transforme
         raise InferenceLoadError(
             f"{source}: no cfg['model'] or no 'model' weights; this is not a metaseq checkpoint"
         ) from None
-    state = {_strip_wrappers(str(k)): v for k, v in state.items()}
+    state = {clean_key(str(k)): v for k, v in state.items()}  # FSDP's hooks usually did this already
     model = build_model(model_cfg)
     check_state_keys(set(model.state_dict()), set(state), source=source)
     check_tied_weights(model, state, source=source)
@@ -148,11 +148,6 @@ def check_tied_weights(model: torch.nn.Module, state: Mapping[str, Any], *, sour
                     f"{source}: '{first}' and '{other}' are tied in the model but differ in the file; "
                     "it was not consolidated from one model"
                 )
-
-
-def _strip_wrappers(key: str) -> str:
-    """`_fsdp_wrapped_module.decoder._fpw_module.x` -> `decoder.x` (FSDP's hooks usually did this already)."""
-    return ".".join(part for part in key.split(".") if part not in _WRAPPER_SEGMENTS)
 
 
 def check_state_keys(expected: set[str], found: set[str], *, source: str) -> None:

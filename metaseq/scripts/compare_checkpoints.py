@@ -13,7 +13,7 @@ import glob
 import logging
 import sys
 
-from metaseq.cli_logging import cli_logging, one_line_error
+from metaseq.cli_logging import OneLineErrorParser, cli_logging, one_line_error
 from metaseq.reshard.compare import compare_tensor_sets, describe_comparison, open_tensor_set
 from metaseq.reshard.driver import find_input_shards
 from metaseq.reshard.schema import ReshardError
@@ -35,15 +35,8 @@ examples:
 """
 
 
-class _Parser(argparse.ArgumentParser):
-    """Argument errors become one-line ReshardErrors (main reports them like any other error)."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise ReshardError(f"{message} (see --help)")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = OneLineErrorParser(
         prog="python -m metaseq.scripts.compare_checkpoints",
         description="Say whether two checkpoints of one model part hold the same model (and optimizer state, "
         "if both have it), listing each differing tensor with its max abs difference.",

@@ -14,7 +14,7 @@ import sys
 import threading
 from typing import Any
 
-from metaseq.cli_logging import cli_logging, one_line_error
+from metaseq.cli_logging import OneLineErrorParser, cli_logging, one_line_error
 from metaseq.reshard.build import DTYPES, consolidate_shards, reshard_shards
 from metaseq.reshard.distributed import World, detect_world
 from metaseq.reshard.driver import describe_reshard_plan, reshard_fsdp_checkpoints
@@ -63,13 +63,6 @@ TRUE_WORDS = {"true", "1", "yes", "y", "on"}
 FALSE_WORDS = {"false", "0", "no", "n", "off"}
 
 
-class _Parser(argparse.ArgumentParser):
-    """Argument errors become one-line ReshardErrors (main reports them like any other error)."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise ReshardError(f"{message} (see --help)")
-
-
 def parse_bool(text: str) -> bool:
     word = text.strip().lower()
     if word in TRUE_WORDS:
@@ -89,7 +82,7 @@ def _add_bool_flag(parser: argparse.ArgumentParser, name: str, help_text: str) -
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = OneLineErrorParser(
         prog="python -m metaseq.scripts.reshard_fsdp",
         description="Reshard the FSDP checkpoint shards of one model part into any number of shards, "
         "or consolidate them into one file with original parameter names.",
