@@ -1,7 +1,9 @@
 """Checkpoint file naming and I/O shared by training, resharding and inference.
 
 Only I/O lives here: no tensor math. Every writer goes through `atomic_torch_save`
-so that a crash never leaves a partial file at a final path.
+(or `atomic_output`) so that a crash never leaves a partial file at a final path.
+torch is imported by the functions that need it, not with this module: the reshard
+CLI usually runs without torch at all (see `metaseq.torchzip`).
 """
 from __future__ import annotations
 
@@ -14,8 +16,6 @@ import tempfile
 import zipfile
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Iterator, Mapping
-
-import torch
 
 __all__ = [
     "CheckpointLoadError",
@@ -38,6 +38,10 @@ CRC_CHUNK_BYTES = 16 << 20
 # Types this project's checkpoints may contain besides tensors and builtins.
 # torch.Size (shapes in shard_metadata) is allowed by torch already.
 SAFE_GLOBALS = [argparse.Namespace]
+
+
+_UMASK = os.umask(0o022)  # read once, while importing (single-threaded): os.umask can only be read by setting it
+os.umask(_UMASK)
 
 
 class CheckpointLoadError(RuntimeError):
@@ -81,6 +85,7 @@ def atomic_output(path: str | os.PathLike) -> Iterator[tuple[BinaryIO, str]]:
     remove_stale_temp_files(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp", dir=folder)
     try:
+        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes it 0600; permissions as `open` would give
         with os.fdopen(fd, "w+b") as f:
             yield f, tmp
             f.flush()
@@ -123,6 +128,8 @@ class _WriteErrorRecorder:
 
 def save_to_file(obj: Any, f: BinaryIO, on_write: Callable[[int], None] | None = None) -> None:
     """`torch.save(obj, f)`, raising a failed write as its OSError (e.g. ENOSPC)."""
+    import torch
+
     writer = _WriteErrorRecorder(f, on_write)
     try:
         torch.save(obj, writer)
@@ -194,6 +201,8 @@ def load_checkpoint(path: str | os.PathLike, *, mmap: bool = False, trust: bool 
     metadata) is checked against its zip CRC32 first; tensor data is not (see
     `check_checkpoint_crc`).
     """
+    import torch
+
     path = str(path)
     mmap = mmap and check_checkpoint_crc(path, tensors=False) is not None
     try:
@@ -230,6 +239,8 @@ def load_checkpoint_skeleton(path: str | os.PathLike, *, trust: bool = False) ->
 
 def skeleton(obj: Any) -> Any:
     """Tensors -> meta tensors (shape and dtype only), 0-dim tensors kept; containers rebuilt."""
+    import torch
+
     if type(obj) in (str, int, float, bool, type(None), torch.Size):  # fast path: most objects are names, shapes
         return obj
     if torch.is_tensor(obj):

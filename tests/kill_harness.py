@@ -3,7 +3,8 @@
     python tests/kill_harness.py POINT K <reshard_fsdp arguments...>
 
 POINT is where the process kills itself with a real SIGKILL (no cleanup runs):
-  bytes    once K bytes in all have gone to temp files (mid-file);
+  bytes    once K bytes in all have gone to temp files (mid-file), through torch.save or
+           the direct writer's os.pwrite / os.copy_file_range;
   replace  just before the K-th rename of a complete temp file onto its output (K from 1);
   renamed  just after the K-th rename, before its folder is fsynced.
 The hooks patch this process only; the tool itself has no test hooks.
@@ -37,6 +38,7 @@ def _install(point: str, k: int) -> None:
             return write(self, data)
 
         file_io._WriteErrorRecorder.write = counting_write
+        _count_direct_writes(k, counter)
     elif point in ("replace", "renamed"):
         replace = os.replace
 
@@ -51,6 +53,31 @@ def _install(point: str, k: int) -> None:
         os.replace = hooked_replace
     else:
         raise SystemExit(f"unknown kill point {point!r}")
+
+
+def _count_direct_writes(k: int, counter: dict[str, int]) -> None:
+    """The same budget for the writes of `metaseq.torchzip` (no torch.save there)."""
+    pwrite, copy_range = os.pwrite, os.copy_file_range
+
+    def counting_pwrite(fd: int, data, offset: int) -> int:
+        room = k - counter["n"]
+        if len(data) >= room:
+            pwrite(fd, bytes(data)[:room], offset)
+            _die()
+        counter["n"] += len(data)
+        return pwrite(fd, data, offset)
+
+    def counting_copy_range(src: int, dst: int, count: int, offset_src=None, offset_dst=None) -> int:
+        room = k - counter["n"]
+        if count >= room:
+            if room:
+                copy_range(src, dst, room, offset_src, offset_dst)
+            _die()
+        n = copy_range(src, dst, count, offset_src, offset_dst)
+        counter["n"] += n
+        return n
+
+    os.pwrite, os.copy_file_range = counting_pwrite, counting_copy_range
 
 
 def _in_this_process(argv: list[str]) -> list[str]:

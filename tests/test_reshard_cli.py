@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from metaseq.file_io import load_checkpoint
-from metaseq.reshard import driver, parallel
+from metaseq.reshard import direct, driver, parallel
 from metaseq.scripts.reshard_fsdp import build_parser, main
 from synthetic import Opaque, assert_tree_equal, make_model, make_shards, write_shards
 
@@ -200,9 +200,27 @@ def test_failure_while_writing_removes_outputs_already_written(shard_dir, tmp_pa
 
     monkeypatch.setattr(parallel, "atomic_torch_save", flaky_save)
     out = tmp_path / "o{i}.pt"
-    assert main(["--input", _pattern(shard_dir), "--output", str(out), "--num-output-shards", "2"]) == 2
+    assert main(["--input", _pattern(shard_dir), "--output", str(out), "--num-output-shards", "2", "--torch-io"]) == 2
     assert f"{str(out).replace('{i}', '1')}: cannot write (No space left on device)" in _error_line(capsys)
     assert saved and not any(os.path.exists(p) for p in saved)
+
+
+def test_direct_write_failure_removes_outputs_already_written(shard_dir, tmp_path, monkeypatch, capsys) -> None:
+    written = []
+    real_write = direct.write_checkpoint
+
+    def flaky_write(fd, obj, **kwargs):
+        if written:
+            raise OSError(28, "No space left on device")
+        written.append(real_write(fd, obj, **kwargs))
+        return written[-1]
+
+    monkeypatch.setattr(direct, "write_checkpoint", flaky_write)
+    out = tmp_path / "o{i}.pt"
+    assert main(["--input", _pattern(shard_dir), "--output", str(out), "--num-output-shards", "2",
+                 "--num-workers", "1"]) == 2
+    assert f"{str(out).replace('{i}', '1')}: cannot write (No space left on device)" in _error_line(capsys)
+    assert written and not list(tmp_path.glob("o*.pt")) and not list(tmp_path.glob(".o*"))
 
 
 def test_file_without_metadata_is_explained(tmp_path: Path, capsys) -> None:
@@ -239,3 +257,13 @@ def test_python_m_entry_point_runs(shard_dir: Path, tmp_path: Path) -> None:
     bad = subprocess.run(cmd[:3] + ["--input", str(tmp_path / "none*.pt"), "--output", "x.pt"],
                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.startswith("ERROR: ") and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_outputs_are_readable_like_any_new_file(shard_dir, tmp_path: Path) -> None:
+    """Temp files are created 0600; outputs get the permissions the umask gives, like `cp` or torch.save."""
+    import metaseq.file_io as file_io
+
+    assert main(["--input", _pattern(shard_dir), "--output", str(tmp_path / "o{i}.pt"),
+                 "--num-output-shards", "2", "--quiet"]) == 0
+    assert file_io._UMASK == os.umask(file_io._UMASK)  # what this process's umask is
+    assert (tmp_path / "o1.pt").stat().st_mode & 0o777 == 0o666 & ~file_io._UMASK != 0o600

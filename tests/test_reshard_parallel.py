@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from metaseq.file_io import load_checkpoint
-from metaseq.reshard import parallel
+from metaseq.reshard import direct, locate, parallel, stream
 from metaseq.reshard.distributed import World, detect_world, first_slurm_host
 from metaseq.reshard.launch import expand_model_parts
 from metaseq.reshard.locate import locate_tensors, map_located
@@ -155,16 +155,16 @@ def test_inputs_are_unpickled_once_and_opened_about_once(tmp_path: Path, monkeyp
     write_shards(make_shards(make_model(), 1), tmp_path / "one")
     unpickled: list[str] = []
     mapped: list[str] = []
-    real_load, real_map = parallel.load_checkpoint, parallel.map_located
+    real_load, real_map = parallel.load_checkpoint, locate.map_located
     monkeypatch.setattr(parallel, "load_checkpoint", lambda path, **kw: unpickled.append(path) or real_load(path, **kw))
-    monkeypatch.setattr(parallel, "map_located", lambda located: mapped.append(located.path) or real_map(located))
+    monkeypatch.setattr(locate, "map_located", lambda located: mapped.append(located.path) or real_map(located))
 
     def run(inputs: Path, num_outputs: int) -> tuple[int, int]:
         unpickled.clear()
         mapped.clear()
         out = tmp_path / f"{inputs.name}-{num_outputs}" / "s{i}.pt"
         assert main(["--input", _pattern(inputs), "--output", str(out), "--num-output-shards", str(num_outputs),
-                     "--num-workers", "1", "--quiet"]) == 0
+                     "--num-workers", "1", "--quiet", "--torch-io"]) == 0
         return len(unpickled), len(mapped)
 
     # Writing unpickles rank 0 only (its other keys are carried); the planner located every other tensor.
@@ -175,10 +175,24 @@ def test_inputs_are_unpickled_once_and_opened_about_once(tmp_path: Path, monkeyp
     assert opened <= 16 + 2 * 5  # linear in N + M, where reopening per output would be N x M = 80
 
 
+def test_direct_inputs_are_read_once_while_planning_and_never_while_writing(tmp_path: Path, monkeypatch) -> None:
+    write_shards(make_shards(make_model(), 16), tmp_path / "many")
+    read: list[str] = []
+    real_read = direct.read_structure
+    monkeypatch.setattr(direct, "read_structure", lambda path: read.append(path) or real_read(path))
+    monkeypatch.setattr(parallel, "load_checkpoint", lambda *a, **kw: pytest.fail("torch.load while writing"))
+    out = tmp_path / "out" / "s{i}.pt"
+    assert main(["--input", _pattern(tmp_path / "many"), "--output", str(out), "--num-output-shards", "5",
+                 "--quiet"]) == 0
+    assert sorted(read) == sorted(str(p) for p in (tmp_path / "many").iterdir())
+    assert len(list((tmp_path / "out").iterdir())) == 5
+
+
 def _fake_plan(flat_numel: int) -> types.SimpleNamespace:
     model = types.SimpleNamespace(flat_params=[types.SimpleNamespace(numel=flat_numel)], dtypes=[torch.float32])
     options = types.SimpleNamespace(unflatten=False)
-    return types.SimpleNamespace(options=options, source=types.SimpleNamespace(model=model), trust_checkpoint=False)
+    return types.SimpleNamespace(options=options, source=types.SimpleNamespace(model=model), trust_checkpoint=False,
+                                 direct=())
 
 
 @pytest.mark.parametrize("flat_mib, output_mib, num_jobs, cpus, checksums, expected", [
@@ -279,14 +293,16 @@ def test_streamed_outputs_equal_outputs_built_in_memory(parts_dir, tmp_path, mon
     shards[0]["extra_state"]["rng"] = torch.arange(6, dtype=torch.int64)  # a carried tensor
     write_shards(shards, tmp_path / "in")
     argv = ["--input", _pattern(tmp_path / "in"), "--num-workers", "1", "--quiet", *flags]
-    assert main([*argv, "--output", str(tmp_path / "memory" / "s{i}.pt")]) == 0
+    assert main([*argv, "--torch-io", "--output", str(tmp_path / "memory" / "s{i}.pt")]) == 0
+    assert main([*argv, "--output", str(tmp_path / "direct" / "s{i}.pt")]) == 0  # without torch where it can
     sizes: list[int | None] = []
-    real_stream = parallel.stream_output_shard
+    real_stream = stream.stream_output_shard
     monkeypatch.setattr(parallel, "STREAM_MIN_BYTES", 0)
-    monkeypatch.setattr(parallel, "stream_output_shard", lambda *a, **kw: _record(sizes, real_stream(*a, **kw)))
-    assert main([*argv, "--output", str(tmp_path / "streamed" / "s{i}.pt")]) == 0
+    monkeypatch.setattr(stream, "stream_output_shard", lambda *a, **kw: _record(sizes, real_stream(*a, **kw)))
+    assert main([*argv, "--torch-io", "--output", str(tmp_path / "streamed" / "s{i}.pt")]) == 0
     assert len(sizes) == len(list((tmp_path / "memory").iterdir())) and None not in sizes  # all streamed
     _assert_same_files(tmp_path / "streamed", tmp_path / "memory")
+    _assert_same_files(tmp_path / "direct", tmp_path / "memory")
     if "--unflatten-weights" in flags:
         model = load_checkpoint(tmp_path / "streamed" / "s0.pt")["model"]
         assert model["decoder.output_projection.weight"] is model["decoder.embed_tokens.weight"]
@@ -297,9 +313,9 @@ def test_unstreamable_structure_falls_back_to_building_in_memory(tmp_path: Path,
     shards[0]["extra_state"]["custom"] = types.SimpleNamespace(t=torch.ones(3))  # a tensor inside an object
     write_shards(shards, tmp_path / "in")
     sizes: list[int | None] = []
-    real_stream = parallel.stream_output_shard
+    real_stream = stream.stream_output_shard
     monkeypatch.setattr(parallel, "STREAM_MIN_BYTES", 0)
-    monkeypatch.setattr(parallel, "stream_output_shard", lambda *a, **kw: _record(sizes, real_stream(*a, **kw)))
+    monkeypatch.setattr(stream, "stream_output_shard", lambda *a, **kw: _record(sizes, real_stream(*a, **kw)))
     out = tmp_path / "out" / "s{i}.pt"
     assert main(["--input", _pattern(tmp_path / "in"), "--output", str(out), "--num-output-shards", "2",
                  "--trust-checkpoint", "--quiet"]) == 0
@@ -310,19 +326,21 @@ def test_unstreamable_structure_falls_back_to_building_in_memory(tmp_path: Path,
 
 
 def test_sigterm_while_writing_removes_outputs_and_reports_one_line(parts_dir, tmp_path, monkeypatch, capsys) -> None:
-    real_save = parallel.atomic_torch_save
+    real_write = parallel.write_direct_output
     saved: list[str] = []
 
-    def save_then_terminated(obj, path, **kwargs):
-        real_save(obj, path, **kwargs)
+    def write_then_terminated(source, options, rank, inputs, path, **kwargs):
+        size = real_write(source, options, rank, inputs, path, **kwargs)
         saved.append(str(path))
         if len(saved) == 2:  # e.g. torchrun stopping this rank because another one failed
             os.kill(os.getpid(), signal.SIGTERM)
+        return size
 
-    monkeypatch.setattr(parallel, "atomic_torch_save", save_then_terminated)
+    monkeypatch.setattr(parallel, "write_direct_output", write_then_terminated)
     handler_before = signal.getsignal(signal.SIGTERM)
     out = tmp_path / "out" / "s{i}.pt"
-    assert main(["--input", _pattern(parts_dir), "--output", str(out), "--num-output-shards", "4"]) == 2
+    assert main(["--input", _pattern(parts_dir), "--output", str(out), "--num-output-shards", "4",
+                 "--num-workers", "1"]) == 2
     assert "terminated by SIGTERM" in _error_line(capsys.readouterr().err)
     assert len(saved) == 2 and not any(os.path.exists(p) for p in saved)  # the second: renamed, then the signal
     assert signal.getsignal(signal.SIGTERM) is handler_before  # main() put the previous handler back

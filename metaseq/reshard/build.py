@@ -9,9 +9,7 @@ hold the shard dicts (e.g. an inference loader).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from metaseq.reshard.layout import ModelLayout, analyze_model, output_metadata
 from metaseq.reshard.optim import (
@@ -25,6 +23,10 @@ from metaseq.reshard.optim import (
 )
 from metaseq.reshard.ranges import Allocate, Piece, Target, materialize_targets, plan_range, shard_range
 from metaseq.reshard.schema import ReshardError
+from metaseq.torchzip import Size
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "DTYPES",
@@ -39,7 +41,7 @@ __all__ = [
     "reshard_shards",
 ]
 
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}  # --output-dtype: torch dtype names
 Fetch = Callable[[int], Mapping[str, Any]]
 
 
@@ -76,7 +78,11 @@ def make_options(
         )
     if output_dtype is not None and output_dtype not in DTYPES:
         raise ReshardError(f"--output-dtype={output_dtype}: expected one of {', '.join(DTYPES)}")
-    dtype = DTYPES[output_dtype] if output_dtype is not None else None
+    dtype = None
+    if output_dtype is not None:
+        import torch  # only casting needs torch's dtypes
+
+        dtype = getattr(torch, DTYPES[output_dtype])
     return ReshardOptions(num_output_shards, unflatten, skip_optimizer_state, dtype, drop_metaseq_req)
 
 
@@ -110,7 +116,7 @@ def plan_targets(source: ReshardSource, options: ReshardOptions, rank: int) -> l
         else:
             start, end, padded_len = shard_range(fp.numel, options.num_output_shards, rank)
             pieces = plan_range(model.sources[k], start, end)
-            targets.append(Target(("model", fp.key), torch.Size([padded_len]), dtype, pieces))
+            targets.append(Target(("model", fp.key), Size([padded_len]), dtype, pieces))
     for extra in model.extras:  # buffers: copied (compact) from rank 0
         if extra.shape is not None:
             n = extra.shape.numel()
@@ -133,7 +139,7 @@ def build_output_shard(
     rank: int,
     fetch: Fetch,
     *,
-    allocate: Allocate = torch.empty,
+    allocate: Allocate | None = None,
     on_copied: Callable[[int], None] | None = None,
 ) -> dict[str, Any]:
     """Output shard `rank`: fresh, compact tensors; every other top-level key from input rank 0.

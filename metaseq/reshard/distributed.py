@@ -16,8 +16,6 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable, Mapping, TypeVar
 
-import torch.distributed as dist
-
 from metaseq.file_io import CheckpointLoadError
 from metaseq.reshard.schema import ReshardError
 
@@ -82,6 +80,8 @@ def _slurm_rendezvous(env: Mapping[str, str]) -> dict[str, str]:
 
 def open_world(world: World) -> bool:
     """Join the gloo process group (reusing one already initialized); True when this call created it."""
+    import torch.distributed as dist  # torch only when a launcher started ranks
+
     if dist.is_initialized():
         if dist.get_world_size() != world.size:
             raise ReshardError(
@@ -101,6 +101,8 @@ def open_world(world: World) -> bool:
 
 
 def close_world(created: bool) -> None:
+    import torch.distributed as dist
+
     if created and dist.is_initialized():
         dist.destroy_process_group()
 
@@ -115,6 +117,8 @@ def error_text(err: BaseException) -> str:
 
 def decide_on_rank_zero(world: World, fn: Callable[[], T]) -> T:
     """Run `fn` on rank 0 only and give every rank its result; its error is raised on every rank."""
+    import torch.distributed as dist
+
     payload: list = [None]
     if world.rank == 0:
         try:
@@ -130,6 +134,8 @@ def decide_on_rank_zero(world: World, fn: Callable[[], T]) -> T:
 
 def agree(world: World, fn: Callable[[], T]) -> T:
     """Run `fn` on every rank; if it failed anywhere, every rank raises the first failure's message."""
+    import torch.distributed as dist
+
     value, error = None, None
     try:
         value = fn()
@@ -146,6 +152,8 @@ def agree(world: World, fn: Callable[[], T]) -> T:
 
 def barrier() -> None:
     """Wait for every rank; a rank that is gone is reported by gloo as an error, which is ignored here."""
+    import torch.distributed as dist
+
     try:
         dist.barrier()
     except RuntimeError:  # e.g. "Connection closed by peer"

@@ -12,17 +12,18 @@ import logging
 import os
 import re
 from dataclasses import dataclass
-from typing import Any, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Any, Sequence
 
 from metaseq.file_io import load_checkpoint, natural_sort_key, skeleton
 from metaseq.reshard.build import ReshardOptions, ReshardSource, analyze_shards, make_options, plan_targets
-from metaseq.reshard.locate import LocatedFile, locate_tensors
+from metaseq.reshard.direct import DirectInput, check_direct_sources, read_direct_inputs
 from metaseq.reshard.parallel import list_jobs, write_jobs
 from metaseq.reshard.progress import Progress
 from metaseq.reshard.schema import ReshardError
-from metaseq.reshard.verify import check_input_checksums, verify_reshard_outputs
+from metaseq.torchzip import Unsupported
+
+if TYPE_CHECKING:
+    from metaseq.reshard.locate import LocatedFile
 
 __all__ = [
     "ReshardPlan",
@@ -49,6 +50,7 @@ class ReshardPlan:
     options: ReshardOptions
     trust_checkpoint: bool
     located: tuple[LocatedFile | None, ...] = ()  # per input: tensor offsets, so writing skips unpickling
+    direct: tuple[DirectInput, ...] = ()  # per input, when read without torch: written without torch too
 
 
 def _last_int(pattern: re.Pattern, path: str) -> int | None:
@@ -120,6 +122,8 @@ def output_shard_paths(
 
 
 def _load_skeleton(path: str, trust: bool) -> tuple[dict[str, Any], LocatedFile | None]:
+    from metaseq.reshard.locate import locate_tensors  # imports torch
+
     shard = load_checkpoint(path, mmap=True, trust=trust)
     return skeleton(shard), locate_tensors(shard, path)
 
@@ -135,8 +139,14 @@ def plan_reshard_fsdp(
     drop_metaseq_req: bool = False,
     overwrite: bool = False,
     trust_checkpoint: bool = False,
+    direct: bool = True,
 ) -> ReshardPlan:
-    """Find and validate everything (names, metadata, lengths, optimizer state) without writing."""
+    """Find and validate everything (names, metadata, lengths, optimizer state) without writing.
+
+    With `direct` (and no dtype cast), inputs whose pickles hold only the checkpoint format's
+    types are read and later written without torch (`metaseq.reshard.direct`); the plan is
+    the same either way.
+    """
     options = make_options(
         num_output_shards=num_output_shards,
         unflatten=unflatten_weights,
@@ -147,9 +157,29 @@ def plan_reshard_fsdp(
     inputs = find_input_shards(input_glob_pattern)
     logger.info("found %d input shard(s) matching %r", len(inputs), input_glob_pattern)
     outputs = output_shard_paths(output_shard_name, num_output_shards, inputs, overwrite=overwrite)
+    if direct and options.output_dtype is None:
+        plan = _plan_direct(inputs, outputs, options, trust_checkpoint)
+        if plan is not None:
+            return plan
     skeletons, located = zip(*(_load_skeleton(p, trust_checkpoint) for p in inputs))
     source = analyze_shards(skeletons, inputs, options)
     return ReshardPlan(tuple(inputs), tuple(outputs), source, options, trust_checkpoint, located)
+
+
+def _plan_direct(
+    inputs: Sequence[str], outputs: Sequence[str], options: ReshardOptions, trust_checkpoint: bool
+) -> ReshardPlan | None:
+    """The plan from pickles read without torch, or None when some input or piece needs torch."""
+    direct = read_direct_inputs(inputs)
+    if direct is None:
+        return None
+    source = analyze_shards([d.structure for d in direct], inputs, options)
+    try:
+        check_direct_sources(source, options, direct)
+    except Unsupported as e:
+        logger.debug("planning with torch: %s", e)
+        return None
+    return ReshardPlan(tuple(inputs), tuple(outputs), source, options, trust_checkpoint, direct=tuple(direct))
 
 
 def write_reshard_outputs(
@@ -216,6 +246,7 @@ def reshard_fsdp_checkpoints(
     dry_run: bool = False,
     verify: bool = False,
     num_workers: int = 1,
+    direct: bool = True,
 ) -> list[str]:
     """Reshard the FSDP shards of one model part into `num_output_shards` files; returns their paths.
 
@@ -226,7 +257,8 @@ def reshard_fsdp_checkpoints(
     With `dry_run`, the plan is logged and nothing is written (the paths are still returned).
     With `verify`, every input byte is checked against its zip CRC32 before writing and the
     outputs are compared with the inputs afterwards (see `metaseq.reshard.verify`), and the
-    outputs get zip CRC32s too. `num_workers` > 1 writes outputs in parallel processes.
+    outputs get zip CRC32s too. `num_workers` > 1 writes outputs in parallel. `direct=False` reads
+    and writes with torch even where the bytes could be copied directly (see `plan_reshard_fsdp`).
     Raises ReshardError (or CheckpointLoadError) before writing anything when inputs or options are wrong.
     """
     plan = plan_reshard_fsdp(
@@ -239,12 +271,15 @@ def reshard_fsdp_checkpoints(
         drop_metaseq_req=drop_metaseq_req,
         overwrite=overwrite,
         trust_checkpoint=trust_checkpoint,
+        direct=direct and not verify,  # --verify wants zip CRC32s in the outputs: torch writes them
     )
     if dry_run:
         for line in describe_reshard_plan(plan):
             logger.info("%s", line)
         return list(plan.outputs)
     if verify:
+        from metaseq.reshard.verify import check_input_checksums, verify_reshard_outputs  # imports torch
+
         check_input_checksums(plan)  # before writing: a corrupt input writes nothing
     written = write_reshard_outputs(plan, num_workers=num_workers, checksums=verify)
     if verify:

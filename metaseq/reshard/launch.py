@@ -36,7 +36,6 @@ from metaseq.reshard.parallel import (
 )
 from metaseq.reshard.progress import make_progress
 from metaseq.reshard.schema import ReshardError
-from metaseq.reshard.verify import check_input_checksums, verify_reshard_outputs
 
 __all__ = ["expand_model_parts", "plan_model_parts", "reshard_model_parts"]
 
@@ -113,6 +112,8 @@ def reshard_model_parts(
     """
     if num_workers is not None and num_workers < 1:
         raise ReshardError(f"--num-workers={num_workers}: must be at least 1")
+    # --verify wants zip CRC32s in the outputs: torch writes them.
+    plan_options = {**plan_options, "direct": plan_options.get("direct", True) and not verify}
     if world is None:
         plans = plan_model_parts(input_glob_pattern, output_shard_name, **plan_options)
         if not dry_run:
@@ -133,6 +134,8 @@ def reshard_model_parts(
 
 def _check_inputs(plans: Sequence[ReshardPlan], verify: bool) -> None:
     if verify:
+        from metaseq.reshard.verify import check_input_checksums  # imports torch
+
         for plan in plans:
             check_input_checksums(plan)  # before writing: a corrupt input writes nothing
 
@@ -171,6 +174,8 @@ def _write(
 def _verify(plans: Sequence[ReshardPlan], verify: bool) -> None:
     """`--verify` after writing; on failure `verify_reshard_outputs` removes that part's outputs."""
     if verify:
+        from metaseq.reshard.verify import verify_reshard_outputs  # imports torch
+
         for plan in plans:
             logger.info("%s", verify_reshard_outputs(plan))
 

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
 from metaseq.reshard.ranges import Segment, shard_range
-from metaseq.reshard.schema import ReshardError, ShardMetadata, clean_key, join_key
+from metaseq.reshard.schema import ReshardError, ShardMetadata, clean_key, is_tensor, join_key
+from metaseq.torchzip import Size
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "Extra",
@@ -156,7 +158,7 @@ def _parse_flat_params(meta: ShardMetadata, label: str) -> tuple[FlatParam, ...]
 
 def _parse_param(idx: int, path: str, backing: str, pm: Mapping[str, Any], label: str) -> FlatParam:
     names = tuple(join_key(path, clean_key(n)) for n in pm["names"])
-    shapes = tuple(torch.Size(s) for s in pm["shapes"])
+    shapes = tuple(Size(s) for s in pm["shapes"])
     numels = tuple(int(n) for n in pm["numels"])
     key = join_key(path, clean_key(backing))
     if not len(names) == len(shapes) == len(numels):
@@ -238,7 +240,7 @@ def _is_unflattened(
 
 
 def _dim(value: Any) -> int:
-    return value.dim() if torch.is_tensor(value) else -1
+    return value.dim() if is_tensor(value) else -1
 
 
 def _flat_sources(
@@ -256,7 +258,7 @@ def _flat_sources(
             actual = key_map[fp.key]
             tensor = shard["model"][actual]
             if _dim(tensor) != 1:
-                shape = list(tensor.shape) if torch.is_tensor(tensor) else type(tensor).__name__
+                shape = list(tensor.shape) if is_tensor(tensor) else type(tensor).__name__
                 raise ReshardError(f"{label}: model['{actual}'] should be a 1-D flat tensor, found {shape}")
             pad = meta["param_metadata"][fp.instance]["params"][fp.backing_name]["padding"]
             _check_padding(fp, tensor.numel(), pad, lengths[0] if lengths else None, label, labels[0])
@@ -313,14 +315,19 @@ def _unflattened_sources(
         segments = []
         for name, shape in zip(fp.names, fp.shapes):
             tensor = model[key_map[name]]
-            if not torch.is_tensor(tensor) or tensor.shape != shape:
-                found = list(tensor.shape) if torch.is_tensor(tensor) else type(tensor).__name__
+            if not is_tensor(tensor) or tensor.shape != shape:
+                found = list(tensor.shape) if is_tensor(tensor) else type(tensor).__name__
                 raise ReshardError(f"{label}: model['{name}'] has shape {found} but shard_metadata says {list(shape)}")
             segments.append(Segment(0, ("model", key_map[name]), shape.numel()))
         lengths.append((fp.numel,))
         sources.append(tuple(segments))
-        dtypes.append(model[key_map[fp.names[0]]].dtype if fp.names else torch.float32)
+        dtypes.append(model[key_map[fp.names[0]]].dtype if fp.names else _any_dtype(model))
     return tuple(lengths), tuple(sources), tuple(dtypes)
+
+
+def _any_dtype(model: Mapping[str, Any]) -> Any:
+    """dtype of a flat parameter that holds no parameters (it has no elements): any tensor's."""
+    return next(v.dtype for v in model.values() if is_tensor(v))
 
 
 def _extras(model: Mapping[str, Any], key_map: Mapping[str, str], taken: set[str]) -> tuple[Extra, ...]:
@@ -329,7 +336,7 @@ def _extras(model: Mapping[str, Any], key_map: Mapping[str, str], taken: set[str
         if clean in taken:
             continue
         value = model[actual]
-        if torch.is_tensor(value):
+        if is_tensor(value):
             extras.append(Extra(clean, actual, value.shape, value.dtype))
         else:
             extras.append(Extra(clean, actual, None, None))

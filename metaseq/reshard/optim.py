@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from metaseq.reshard.layout import ModelLayout, global_params
 from metaseq.reshard.ranges import Segment, Target, plan_range, shard_range
-from metaseq.reshard.schema import ReshardError
+from metaseq.reshard.schema import ReshardError, is_tensor
+from metaseq.torchzip import Size
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "OptimLayout",
@@ -35,11 +37,11 @@ LAYOUT_KEYS = ("state", "param_id_map", "uncollected_local_ids")
 
 
 def _is_scalar_tensor(value: Any) -> bool:
-    return torch.is_tensor(value) and value.dim() == 0
+    return is_tensor(value) and value.dim() == 0
 
 
 def _copy_scalar(value: Any) -> Any:
-    return value.clone() if torch.is_tensor(value) else copy.deepcopy(value)
+    return value.clone() if is_tensor(value) else copy.deepcopy(value)
 
 
 @dataclass(frozen=True)
@@ -117,13 +119,13 @@ def _flat_entry(osds: Sequence[Mapping[str, Any]], model: ModelLayout, k: int, n
         if name not in osd["state"][k]:
             raise ReshardError(f"{label}: {OPTIM}.state[{k}] lacks '{name}', which {labels[0]} has")
         values.append(osd["state"][k][name])
-    if not any(torch.is_tensor(v) and v.dim() > 0 for v in values):
+    if not any(is_tensor(v) and v.dim() > 0 for v in values):
         return StateEntry(name, values=tuple(values))
     segments = []
     for r, (value, label) in enumerate(zip(values, labels)):
         expected = model.padded_lengths[k][r]
-        if not torch.is_tensor(value) or value.dim() != 1 or value.numel() != expected:
-            found = list(value.shape) if torch.is_tensor(value) else type(value).__name__
+        if not is_tensor(value) or value.dim() != 1 or value.numel() != expected:
+            found = list(value.shape) if is_tensor(value) else type(value).__name__
             raise ReshardError(
                 f"{label}: {OPTIM}.state[{k}]['{name}'] has shape {found} but flat parameter '{fp.key}' "
                 f"has {expected} elements there; the optimizer state does not match the flat parameters"
@@ -176,9 +178,9 @@ def _per_element_names(state: Mapping[int, Mapping[str, Any]], model: ModelLayou
 
     def per_element(name: str) -> bool:
         values = [(g, entry[name]) for g, entry in state.items() if name in entry]
-        if any(torch.is_tensor(v) and v.dim() > 0 for _, v in values):
+        if any(is_tensor(v) and v.dim() > 0 for _, v in values):
             return True
-        return name != "step" and all(torch.is_tensor(v) and v.shape == shapes.get(g) for g, v in values)
+        return name != "step" and all(is_tensor(v) and v.shape == shapes.get(g) for g, v in values)
 
     return frozenset(n for n in names if per_element(n))
 
@@ -201,8 +203,8 @@ def _consolidated_flat_param(
         segments = []
         for g, param_name, shape in zip(ids, fp.names, fp.shapes):
             value = state[g].get(name)
-            if not torch.is_tensor(value) or value.numel() != shape.numel():
-                found = list(value.shape) if torch.is_tensor(value) else type(value).__name__
+            if not is_tensor(value) or value.numel() != shape.numel():
+                found = list(value.shape) if is_tensor(value) else type(value).__name__
                 raise ReshardError(
                     f"{label}: {OPTIM}.state[{g}]['{name}'] has shape {found} but parameter '{param_name}' "
                     f"has shape {list(shape)}"
@@ -220,7 +222,7 @@ def flat_optimizer_targets(optim: OptimLayout, model: ModelLayout, world_size: i
         for e in entries:
             if e.segments is not None:
                 pieces = plan_range(e.segments, start, end)
-                targets.append(Target((OPTIM, "state", k, e.name), torch.Size([padded_len]), e.dtype, pieces))
+                targets.append(Target((OPTIM, "state", k, e.name), Size([padded_len]), e.dtype, pieces))
     return targets
 
 

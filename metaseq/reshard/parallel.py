@@ -8,7 +8,10 @@ filled from the mmap-loaded inputs it needs, saved, and their memory is reused f
 the next output (same shapes within a part, and fresh pages are slow to fault in).
 A worker pool (forkserver, else spawn) runs K such writers, so peak memory is about
 K x (largest output shard + `PROCESS_BYTES`); the default K keeps the whole run
-within the single-process bound (see `default_num_workers`). A failure anywhere
+within the single-process bound (see `default_num_workers`). Plans read without
+torch (`ReshardPlan.direct`, the usual case) are written by `metaseq.reshard.direct`
+instead: the kernel copies the bytes and holds no GIL meanwhile, so K writers are K
+threads of this process, and memory stays the interpreter's. A failure anywhere
 removes every output of the call before the error is raised.
 """
 from __future__ import annotations
@@ -16,23 +19,27 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
+import threading
 from collections import defaultdict
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, ThreadPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
-import torch
-
 from metaseq.file_io import atomic_torch_save, load_checkpoint, remove_stale_temp_files
 from metaseq.reshard.build import build_output_shard, plan_targets
-from metaseq.reshard.locate import map_located
+from metaseq.reshard.direct import write_direct_output
 from metaseq.reshard.progress import JobMeter, Progress, Send
-from metaseq.reshard.stream import CHUNK_BYTES, stream_output_shard, zip_crc32
 from metaseq.reshard.schema import ReshardError
+from metaseq.torchzip import CHUNK_BYTES
 
 if TYPE_CHECKING:
+    import torch
+
     from metaseq.reshard.driver import ReshardPlan
+
+# torch (1.5 s or more to import) is imported by the functions that need it: plans read
+# without torch (`ReshardPlan.direct`) are written without it.
 
 __all__ = [
     "OutputJob",
@@ -113,6 +120,8 @@ def default_num_workers(
     Each worker must also have `BYTES_PER_WORKER` to write, or starting it costs more
     than it saves. Bigger K is the user's choice (`--num-workers`), at K x the memory.
     """
+    if all(plan.direct for plan in plans):  # threads copying in the kernel: no extra memory
+        return max(1, min(cpus, len(jobs)))
     bound = memory_bound(plans, jobs)
     largest = held_bytes(plans, jobs, checksums)
     limit = min(cpus, len(jobs), max(1, sum(j.nbytes for j in jobs) // BYTES_PER_WORKER))
@@ -127,6 +136,11 @@ def estimated_peak(num_workers: int, largest_held: int) -> int:
     if num_workers <= 1:
         return PROCESS_BYTES + largest_held
     return 2 * PROCESS_BYTES + num_workers * (PROCESS_BYTES + largest_held)
+
+
+def threaded(plans: Sequence[ReshardPlan]) -> bool:
+    """Whether the writers are threads of this process (every plan direct), not worker processes."""
+    return all(plan.direct for plan in plans)
 
 
 def streams(job: OutputJob, checksums: bool) -> bool:
@@ -147,6 +161,8 @@ def held_bytes(plans: Sequence[ReshardPlan], jobs: Sequence[OutputJob], checksum
 @contextlib.contextmanager
 def _one_thread() -> Iterator[None]:
     """Copies are memory-bound: torch's intra-op threads only add spinning (2-5x slower on busy CPUs)."""
+    import torch
+
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -161,6 +177,8 @@ def save_output(shard: dict[str, Any], path: str, *, meter: JobMeter | None = No
     Without `checksums` the zip CRC32 fields are left 0: torch never checks them, and
     computing them made saving 3-5x slower than the rest of a reshard.
     """
+    from metaseq.reshard.stream import zip_crc32  # imports torch
+
     try:
         with zip_crc32(checksums):
             atomic_torch_save(shard, path, on_write=meter.written if meter is not None else None)
@@ -186,6 +204,8 @@ class _InputCache:
         if path not in self.kept:
             located = plan.located[rank] if rank and rank < len(plan.located) else None
             if located is not None:
+                from metaseq.reshard.locate import map_located  # imports torch
+
                 shard = map_located(located)
             else:
                 shard = load_checkpoint(path, mmap=True, trust=plan.trust_checkpoint)
@@ -206,6 +226,8 @@ class _Buffers:
         self.used: list[torch.Tensor] = []
 
     def allocate(self, shape: torch.Size, *, dtype: torch.dtype) -> torch.Tensor:
+        import torch
+
         stack = self.free.get((tuple(shape), dtype))
         tensor = stack.pop() if stack else torch.empty(shape, dtype=dtype)
         self.used.append(tensor)
@@ -236,7 +258,11 @@ class OutputWriter:
         def fetch(rank: int) -> dict[str, Any]:
             return self.inputs.fetch(plan, rank)
 
+        if plan.direct:
+            return write_direct_output(plan.source, plan.options, job.rank, plan.direct, job.path, report=meter.streamed)
         if streams(job, self.checksums):
+            from metaseq.reshard.stream import stream_output_shard  # imports torch
+
             try:
                 size = stream_output_shard(plan.source, plan.options, job.rank, fetch, job.path,
                                            trust=plan.trust_checkpoint, report=meter.streamed)
@@ -272,7 +298,9 @@ def write_jobs(
     before = _file_ids(paths)
     written: list[str] = []
     try:
-        if num_workers <= 1 or len(jobs) <= 1:
+        if threaded(plans):
+            _write_in_threads(plans, jobs, max(1, min(num_workers, len(jobs))), progress, written)
+        elif num_workers <= 1 or len(jobs) <= 1:
             with _one_thread():
                 _write_here(plans, jobs, progress, written, checksums)
         else:
@@ -320,11 +348,45 @@ def _write_here(
         progress.finish(job.index, job.nbytes, job.path, size)
 
 
+def _write_in_threads(
+    plans: Sequence[ReshardPlan], jobs: Sequence[OutputJob], num_workers: int, progress: Progress, written: list[str]
+) -> None:
+    """Direct plans: `num_workers` threads (the copies run in the kernel, without the GIL)."""
+    lock = threading.Lock()
+
+    def send(index: int, nbytes: int) -> None:
+        with lock:
+            progress.advance(index, nbytes)
+
+    def run(job: OutputJob) -> None:
+        size = OutputWriter(plans).write(job, send)
+        with lock:
+            written.append(job.path)
+            progress.finish(job.index, job.nbytes, job.path, size)
+
+    if num_workers == 1:
+        for job in jobs:
+            run(job)
+        return
+    with ThreadPoolExecutor(num_workers, thread_name_prefix="reshard-writer") as pool:
+        futures = [pool.submit(run, job) for job in jobs]
+        try:
+            for future in futures:
+                future.result()
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            wait(futures)  # the running copies finish; their files are then removed with the rest
+            raise
+
+
 # Worker side: one OutputWriter per worker process, made by the pool's initializer.
 _worker: dict[str, Any] = {}
 
 
 def _init_worker(plans: Sequence[ReshardPlan], queue: Any, checksums: bool) -> None:
+    import torch
+
     torch.set_num_threads(1)
     _worker["writer"] = OutputWriter(plans, checksums=checksums)
     _worker["queue"] = queue
@@ -339,7 +401,7 @@ def _pool_context() -> multiprocessing.context.BaseContext:
     """forkserver (torch imported once, workers forked from it), or spawn where there is none."""
     if "forkserver" in multiprocessing.get_all_start_methods():
         ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload([__name__])
+        ctx.set_forkserver_preload([__name__, "metaseq.reshard.stream"])  # torch imported once
         return ctx
     return multiprocessing.get_context("spawn")
 

@@ -9,9 +9,10 @@ does I/O; `materialize_targets` asks a caller-supplied `fetch(rank)` for input d
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Callable, Mapping, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Sequence
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "Piece",
@@ -24,7 +25,7 @@ __all__ = [
 ]
 
 Fetch = Callable[[int], Mapping[str, Any]]
-Allocate = Callable[..., torch.Tensor]  # (shape, *, dtype) -> tensor, like torch.empty
+Allocate = Callable[..., "torch.Tensor"]  # (shape, *, dtype) -> tensor, like torch.empty
 
 
 class Segment(NamedTuple):
@@ -101,7 +102,7 @@ def materialize_targets(
     targets: Sequence[Target],
     fetch: Fetch,
     *,
-    allocate: Allocate = torch.empty,
+    allocate: Allocate | None = None,
     on_copied: Callable[[int], None] | None = None,
 ) -> dict[tuple[Any, ...], torch.Tensor]:
     """Allocate every target and copy its pieces in, visiting each input rank once.
@@ -111,6 +112,10 @@ def materialize_targets(
     no piece covers (padding) are zeroed, so `allocate(shape, dtype=...)` may
     return uninitialized or reused memory. `on_copied(nbytes)` is called after each input.
     """
+    if allocate is None:
+        import torch
+
+        allocate = torch.empty
     out = {t.path: allocate(t.shape, dtype=t.dtype) for t in targets}
     by_rank: dict[int, list[tuple[torch.Tensor, Piece]]] = defaultdict(list)
     for t in targets:

@@ -5,9 +5,13 @@ readers and type checkers, not runtime validation (that is in `layout` and `opti
 """
 from __future__ import annotations
 
-from typing import Any, TypedDict
+import sys
+from typing import TYPE_CHECKING, Any, TypedDict
 
-import torch
+from metaseq.torchzip import TensorRef
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "Checkpoint",
@@ -18,6 +22,7 @@ __all__ = [
     "ReshardError",
     "ShardMetadata",
     "clean_key",
+    "is_tensor",
     "join_key",
 ]
 
@@ -81,6 +86,14 @@ class Checkpoint(TypedDict, total=False):
 def clean_key(key: str) -> str:
     """Drop FSDP wrapper segments: `_fsdp_wrapped_module._fpw_module.decoder.x` -> `decoder.x`."""
     return ".".join(part for part in key.split(".") if part not in WRAPPER_SEGMENTS)
+
+
+def is_tensor(value: Any) -> bool:
+    """A torch tensor, or a `metaseq.torchzip.TensorRef` (inputs read without torch)."""
+    if type(value) is TensorRef:
+        return True
+    torch = sys.modules.get("torch")  # not imported yet: nothing can be a torch tensor
+    return torch is not None and torch.is_tensor(value)
 
 
 def join_key(prefix: str, name: str) -> str:

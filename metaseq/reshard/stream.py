@@ -7,7 +7,7 @@ reserved but empty (a sparse file). The temp file is then mmap-loaded to find wh
 each tensor's bytes go (`metaseq.reshard.locate`), and they are written there with
 `os.pwrite` straight from the mmap-loaded inputs, one input at a time. Each byte is
 copied once, page cache to page cache, as `cp` does (its writeback to disk starts at
-once, see `_start_writeback`), and no output tensor is ever allocated: the process
+once, see `metaseq.torchzip.start_writeback`), and no output tensor is ever allocated: the process
 keeps its own ~150 MiB (plus a 64 MiB buffer when casting the dtype) whatever the
 output's size. The files carry no zip CRC32s (torch never reads them). When the
 structure cannot be located (e.g. tensors inside objects other than dicts, lists and
@@ -26,10 +26,10 @@ from metaseq.file_io import atomic_output, load_checkpoint, save_to_file
 from metaseq.reshard.build import ReshardOptions, ReshardSource, assemble_output_shard, plan_targets
 from metaseq.reshard.locate import LocatedFile, TensorLocation, locate_tensors
 from metaseq.reshard.ranges import Fetch, Target, resolve_path
+from metaseq.torchzip import CHUNK_BYTES, start_writeback
 
 __all__ = ["CHUNK_BYTES", "stream_output_shard", "zip_crc32"]
 
-CHUNK_BYTES = 64 << 20  # per pwrite call, and the dtype conversion buffer
 Report = Callable[[int], None]
 
 
@@ -151,18 +151,7 @@ def _pwrite_all(fd: int, data: bytes | memoryview, offset: int, report: Report |
     pos = 0
     while pos < len(view):
         n = os.pwrite(fd, view[pos : pos + CHUNK_BYTES], offset + pos)
-        _start_writeback(fd, offset + pos, n)
+        start_writeback(fd, offset + pos, n)
         pos += n
         if report is not None:
             report(n)
-
-
-def _start_writeback(fd: int, offset: int, length: int) -> None:
-    """Have the kernel start writing these bytes to disk now, so the final fsync finds little left.
-
-    On Linux, POSIX_FADV_DONTNEED on dirty pages starts their writeback without waiting
-    (and drops only pages already clean); elsewhere this does nothing.
-    """
-    if length >= CHUNK_BYTES // 4 and hasattr(os, "posix_fadvise"):
-        with contextlib.suppress(OSError):
-            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)

@@ -109,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--verify", action="store_true",
                         help="check the inputs' CRC32s before writing, then re-read the outputs and check every "
                         "tensor is bit-identical to the inputs (reads the inputs twice more, the outputs once)")
+    parser.add_argument("--torch-io", action="store_true",
+                        help="read and write the files with torch.load/torch.save even where the inputs allow "
+                        "copying their bytes directly without torch (slower; the outputs are the same)")
     parser.add_argument("--num-workers", type=_positive_int, default=None, metavar="K",
                         help="write K output files at once in K processes (default: as many as CPUs and the "
                         "memory bound allow, see below)")
@@ -133,6 +136,7 @@ def _run(args: argparse.Namespace, world: World | None) -> int:
         drop_metaseq_req=args.drop_metaseq_req,
         overwrite=args.overwrite,
         trust_checkpoint=args.trust_checkpoint,
+        direct=not args.torch_io,
     )
     plans = reshard_model_parts(
         args.input_glob_pattern, args.output_shard_name, plan_options=kwargs, num_workers=args.num_workers,

@@ -1,0 +1,197 @@
+"""metaseq.torchzip: torch's checkpoint format read and written without torch, checked against torch itself."""
+import argparse
+import collections
+import errno
+import os
+import struct
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from metaseq import torchzip
+from metaseq.torchzip import Size, TensorRef, Unsupported, read_structure, write_checkpoint
+
+
+def _sample() -> dict:
+    base = torch.arange(24, dtype=torch.float32) * 0.5 - 3
+    tied = torch.randn(5, 3)
+    model = collections.OrderedDict(weight=tied, tied=tied, version=torch.tensor([7.0]))
+    model._metadata = {"": {"version": 1}}  # what nn.Module.state_dict() sets, pickled with BUILD
+    return {
+        "model": model,
+        "views": [base[3:9], base.view(4, 6)[:, 1:3], base],  # offset and non-contiguous views of one storage
+        "scalars": {"step": torch.tensor(12, dtype=torch.int64), "half": torch.tensor(1.5, dtype=torch.float16),
+                    "bf": torch.tensor(-2.25, dtype=torch.bfloat16), "flag": torch.tensor(True)},
+        "dtypes": [torch.zeros(3, dtype=d) + 1 for d in (torch.float64, torch.int32, torch.int16, torch.int8,
+                                                          torch.uint8, torch.bfloat16, torch.float16)],
+        "empty": torch.zeros(0, 4),
+        "meta": {"shapes": [torch.Size([5, 3]), torch.Size([])], "numels": [15, 1], "names": ["a.b", "ü✓"]},
+        "numbers": [0, 255, 256, 65535, 65536, -1, -(2**31), 2**31, 2**70, -(2**70), 1.5, float("inf"), True, False],
+        "nested": (None, ("x", (1, 2, 3, 4)), [], {}, ()),
+        "dtype": torch.float32,
+    }
+
+
+def _assert_same(a, b, path="") -> None:
+    assert type(a) is type(b), (path, type(a), type(b))
+    if torch.is_tensor(a):
+        assert (a.dtype, a.shape, a.stride(), a.storage_offset()) == (b.dtype, b.shape, b.stride(), b.storage_offset())
+        assert torch.equal(a, b), path
+    elif isinstance(a, dict):
+        assert list(a) == list(b), path
+        assert vars(a) == vars(b) if isinstance(a, collections.OrderedDict) else True, path
+        for key in a:
+            _assert_same(a[key], b[key], f"{path}/{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same(x, y, f"{path}[{i}]")
+    else:
+        assert a == b or (a != a and b != b), (path, a, b)
+
+
+def _rewrite(src: Path, dst: Path) -> None:
+    structure = read_structure(str(src))
+    with open(dst, "wb") as f:
+        size = write_checkpoint(f.fileno(), structure)
+    assert size == dst.stat().st_size
+
+
+@pytest.mark.parametrize("mmap", [False, True])
+def test_rewritten_checkpoint_loads_in_torch_as_the_original(tmp_path: Path, mmap: bool) -> None:
+    original = _sample()
+    torch.save(original, tmp_path / "in.pt")
+    _rewrite(tmp_path / "in.pt", tmp_path / "out.pt")
+    loaded = torch.load(tmp_path / "out.pt", weights_only=True, mmap=mmap)
+    _assert_same(original, loaded)
+    # Tied tensors stay one object; views keep sharing one storage.
+    assert loaded["model"]["weight"] is loaded["model"]["tied"]
+    pointers = {v.untyped_storage().data_ptr() for v in loaded["views"]}
+    assert len(pointers) == 1
+
+
+def test_reading_touches_only_the_pickle(tmp_path: Path) -> None:
+    torch.save({"w": torch.arange(1000, dtype=torch.int64)[10:20]}, tmp_path / "in.pt")
+    ref = read_structure(str(tmp_path / "in.pt"))["w"]
+    assert isinstance(ref, TensorRef) and ref.shape == Size([10]) and ref.dtype.name == "int64"
+    assert ref.storage_offset == 10 and ref.storage.nbytes == 8000 and ref.is_contiguous()
+    assert ref.clone().storage.nbytes == 80 and ref.clone().storage.source_offset(0) == ref.storage.source_offset(10)
+    torch.save({"step": torch.tensor([[-5]]), "bf": torch.tensor(0.375, dtype=torch.bfloat16)}, tmp_path / "s.pt")
+    scalars = read_structure(str(tmp_path / "s.pt"))
+    assert scalars["step"].squeeze().shape == () and scalars["step"].item() == -5 and scalars["bf"].item() == 0.375
+    assert repr(ref.shape) == "torch.Size([10])" and repr(ref.dtype) == "torch.int64"
+
+
+def test_records_are_aligned_like_torch_writes_them(tmp_path: Path) -> None:
+    torch.save(_sample(), tmp_path / "in.pt")
+    _rewrite(tmp_path / "in.pt", tmp_path / "out.pt")
+    with open(tmp_path / "out.pt", "rb") as f, zipfile.ZipFile(f) as archive:
+        names = archive.namelist()
+        assert names[0] == "archive/data.pkl" and "archive/byteorder" in names and "archive/version" in names
+        for info in archive.infolist():
+            f.seek(info.header_offset)
+            name_len, extra_len = struct.unpack("<26xHH", f.read(30))
+            assert (info.header_offset + 30 + name_len + extra_len) % torchzip.ALIGNMENT == 0, info.filename
+            assert info.compress_type == zipfile.ZIP_STORED
+        assert archive.read("archive/byteorder") == b"little"  # small records carry real CRC32s
+
+
+def test_zip64_fields_are_read_by_torch_and_zipfile(tmp_path: Path, monkeypatch) -> None:
+    """Records of 4 GiB and more need zip64 fields; forced here on small records by lowering the limit."""
+    original = _sample()
+    torch.save(original, tmp_path / "in.pt")
+    monkeypatch.setattr(torchzip, "ZIP64_LIMIT", 16)
+    _rewrite(tmp_path / "in.pt", tmp_path / "out.pt")
+    with zipfile.ZipFile(tmp_path / "out.pt") as archive:
+        assert archive.read("archive/version") == b"3\n"
+        assert any(info.file_size >= 16 for info in archive.infolist())
+    assert b"\x01\x00\x10\x00" in (tmp_path / "out.pt").read_bytes()  # a zip64 extra field in a local header
+    _assert_same(original, torch.load(tmp_path / "out.pt", weights_only=True, mmap=True))
+
+
+def test_copy_falls_back_to_read_and_write_where_the_kernel_cannot(tmp_path: Path, monkeypatch) -> None:
+    original = _sample()
+    torch.save(original, tmp_path / "in.pt")
+
+    def refuse(*args, **kwargs):
+        raise OSError(errno.EXDEV, "cross-device")
+
+    monkeypatch.setattr(os, "copy_file_range", refuse)
+    _rewrite(tmp_path / "in.pt", tmp_path / "out.pt")
+    _assert_same(original, torch.load(tmp_path / "out.pt", weights_only=True))
+
+
+def test_pieces_and_zero_padding_fill_a_new_tensor(tmp_path: Path) -> None:
+    torch.save({"a": torch.arange(10, dtype=torch.float32)}, tmp_path / "in.pt")
+    src = read_structure(str(tmp_path / "in.pt"))["a"]
+    out = TensorRef.empty([2, 4], torchzip.dtype_by_name("float32"))
+    path, offset = src.storage.source_offset(6)
+    out.storage.pieces.append((path, offset, 4, 12))  # elements 6..8 into positions 1..3; the rest zeros
+    with open(tmp_path / "out.pt", "wb") as f:
+        write_checkpoint(f.fileno(), {"x": out})
+    expected = torch.tensor([[0, 6, 7, 8], [0, 0, 0, 0]], dtype=torch.float32)
+    assert torch.equal(torch.load(tmp_path / "out.pt", weights_only=True)["x"], expected)
+
+
+def _legacy(path: Path) -> None:
+    torch.save({"a": torch.zeros(2)}, path, _use_new_zipfile_serialization=False)
+
+
+def _namespace(path: Path) -> None:
+    torch.save({"args": argparse.Namespace(lr=1.0), "a": torch.zeros(2)}, path)
+
+
+def _damaged_pickle(path: Path) -> None:
+    torch.save({"a": torch.zeros(2), "name": "x" * 50}, path)
+    data = bytearray(path.read_bytes())
+    data[data.index(b"x" * 50) + 3] ^= 1  # inside data.pkl: its CRC32 no longer matches
+    path.write_bytes(bytes(data))
+
+
+def _truncated(path: Path) -> None:
+    torch.save({"a": torch.zeros(1000)}, path)
+    path.write_bytes(path.read_bytes()[:2000])
+
+
+def _bytes_value(path: Path) -> None:
+    torch.save({"a": torch.zeros(2), "blob": b"\x00\x01"}, path)
+
+
+@pytest.mark.parametrize("make", [_legacy, _namespace, _damaged_pickle, _truncated, _bytes_value],
+                         ids=lambda f: f.__name__.strip("_"))
+def test_files_that_need_torch_are_refused_not_misread(tmp_path: Path, make) -> None:
+    """Anything else goes to torch.load, which either reads it or gives the one-line error."""
+    make(tmp_path / "in.pt")
+    with pytest.raises(Unsupported):
+        read_structure(str(tmp_path / "in.pt"))
+
+
+def test_unknown_globals_are_never_resolved(tmp_path: Path) -> None:
+    """The reader's allowlist: an object whose unpickling would call os.system is refused, not run."""
+    marker = tmp_path / "ran"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    torch.save({"a": Evil()}, tmp_path / "in.pt")
+    with pytest.raises(Unsupported, match="global"):
+        read_structure(str(tmp_path / "in.pt"))
+    assert not marker.exists()
+
+
+def test_reshard_cli_runs_without_importing_torch(tmp_path: Path) -> None:
+    torch.save({"model": {"w": torch.zeros(3)}}, tmp_path / "probe.pt")
+    code = (
+        "import sys\n"
+        "from metaseq import torchzip\n"
+        "import metaseq.scripts.reshard_fsdp\n"
+        f"torchzip.read_structure({str(tmp_path / 'probe.pt')!r})\n"
+        "print('torch' in sys.modules)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert proc.stdout.strip() == "False"
