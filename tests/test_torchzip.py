@@ -195,3 +195,20 @@ def test_reshard_cli_runs_without_importing_torch(tmp_path: Path) -> None:
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert proc.stdout.strip() == "False"
+
+
+def test_tensors_saved_on_a_gpu_are_written_as_cpu_tensors(tmp_path: Path) -> None:
+    """A GPU run's file names a device per storage; outputs say cpu, as torch.load(map_location="cpu") gives."""
+    original = {"w": torch.arange(6, dtype=torch.float32), "step": torch.tensor(3)}
+    torch.save(original, tmp_path / "cpu.pt")
+    with zipfile.ZipFile(tmp_path / "cpu.pt") as src, zipfile.ZipFile(tmp_path / "gpu.pt", "w") as dst:
+        for info in src.infolist():
+            data = src.read(info)
+            if info.filename.endswith("data.pkl"):
+                data = data.replace(b"X\x03\x00\x00\x00cpu", b"X\x06\x00\x00\x00cuda:0")
+                assert data.count(b"cuda:0") == 1  # memoized after its first use
+            dst.writestr(info.filename, data)
+    _rewrite(tmp_path / "gpu.pt", tmp_path / "out.pt")
+    assert b"cuda" not in (tmp_path / "out.pt").read_bytes()
+    _assert_same(torch.load(tmp_path / "gpu.pt", map_location="cpu", weights_only=True),
+                 torch.load(tmp_path / "out.pt", weights_only=True))

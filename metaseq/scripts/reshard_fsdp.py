@@ -51,12 +51,13 @@ examples:
     --input "ckpts/checkpoint_last-model_part-{j}-shard*.pt" \\
     --output "ckpts64/checkpoint_last-model_part-{j}-shard{i}.pt" --num-output-shards 64 --num-workers 1
 
-memory: outputs of 64 MiB and more are streamed from the inputs into their files, so
-a process needs about 160 MiB whatever their size; smaller ones (and all with --verify)
-are built in memory one at a time. --num-workers K writes K outputs at once in K
-processes (about 320 MiB + K x (160 MiB + what one writer holds)); by default K stays
-within the largest output shard + the largest flat parameter + 256 MiB, and each
-worker gets at least 2 GiB to write (often K = 1).
+speed and memory: the tool reads the inputs' pickles itself and copies each tensor's bytes
+file to file (copy_file_range), without importing torch or holding tensors: about the
+speed of cp, about 20 MiB of memory. --output-dtype, --verify, --torch-io and inputs
+with other pickled types go through torch.load/torch.save instead: outputs of 64 MiB
+and more streamed from the mmap-ed inputs, smaller ones built in memory one at a time.
+--num-workers K writes K outputs at once (threads when copying directly, processes
+through torch; by default one per CPU, through torch as the memory bound allows).
 """
 
 TRUE_WORDS = {"true", "1", "yes", "y", "on"}
