@@ -66,11 +66,12 @@ def _torchrun(args: list[str], nproc: int = 2) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
 
 
-def test_two_workers_write_the_same_files_as_one(parts_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("io", [[], ["--torch-io"]], ids=["threads-copying", "torch-processes"])
+def test_two_workers_write_the_same_files_as_one(parts_dir: Path, tmp_path: Path, io: list[str]) -> None:
     for workers in ("1", "2"):
         out = tmp_path / f"w{workers}" / "shard{i}.pt"
         assert main(["--input", _pattern(parts_dir), "--output", str(out), "--num-output-shards", "3",
-                     "--num-workers", workers, "--quiet"]) == 0
+                     "--num-workers", workers, "--quiet", *io]) == 0
     _assert_same_files(tmp_path / "w2", tmp_path / "w1")
     assert len(list((tmp_path / "w1").iterdir())) == 3
 

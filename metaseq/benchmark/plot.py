@@ -21,10 +21,10 @@ def plot_sweep(points: list[SweepPoint], path: str | os.PathLike) -> None:
 
     sizes = [p.input_bytes / GB for p in points]
     fig, (ax_time, ax_mem) = plt.subplots(1, 2, figsize=(10, 4), constrained_layout=True)
-    ax_time.plot(sizes, [p.tool.seconds for p in points], "o-", label="reshard_fsdp (streaming)")
+    ax_time.plot(sizes, [p.tool.seconds for p in points], "o-", label="reshard_fsdp")
     ax_time.plot(sizes, [p.reference.seconds for p in points], "s--", label="load everything")
     ax_time.set(xlabel="checkpoint size (GB, all input shards)", ylabel="wall time (s)", title="time")
-    ax_mem.plot(sizes, [p.tool.peak_anon / GIB for p in points], "o-", label="reshard_fsdp (streaming)")
+    ax_mem.plot(sizes, [p.tool.peak_anon / GIB for p in points], "o-", label="reshard_fsdp")
     ax_mem.plot(sizes, [p.reference.peak_anon / GIB for p in points], "s--", label="load everything")
     ax_mem.plot(sizes, [p.memory_bound / GIB for p in points], ":", color="gray", label="target bound")
     ax_mem.set(xlabel="checkpoint size (GB, all input shards)", ylabel="peak anonymous RSS (GiB)",

@@ -56,10 +56,15 @@ def read_direct_inputs(paths: Sequence[str]) -> list[DirectInput] | None:
 
 
 def check_direct_sources(source: ReshardSource, options: ReshardOptions, inputs: Sequence[DirectInput]) -> None:
-    """Raise Unsupported unless every piece of every output is a plain byte copy (no cast, no gather)."""
+    """Raise Unsupported unless every output can be written by copying bytes (no cast, no gather).
+
+    Every output is assembled once around empty tensors, so carried values that need torch
+    (e.g. a non-contiguous optimizer scalar to clone) show up now, before anything is written.
+    """
     seen = set()
     for rank in range(options.num_output_shards):
-        for target in plan_targets(source, options, rank):
+        targets = plan_targets(source, options, rank)
+        for target in targets:
             for piece in target.pieces:
                 if (piece.rank, piece.path) in seen:
                     continue
@@ -67,6 +72,8 @@ def check_direct_sources(source: ReshardSource, options: ReshardOptions, inputs:
                 src = resolve_path(inputs[piece.rank].structure, piece.path)
                 if not is_tensor_ref(src) or src.dtype != target.dtype or not src.is_contiguous():
                     raise Unsupported(f"{inputs[piece.rank].path}: {piece.path} needs a cast or gather")
+        empty = {t.path: TensorRef.empty(t.shape, t.dtype) for t in targets}
+        assemble_output_shard(source, options, rank, inputs[0].structure, empty)
 
 
 def write_direct_output(
