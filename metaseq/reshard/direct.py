@@ -47,7 +47,7 @@ def read_direct_inputs(paths: Sequence[str]) -> list[DirectInput] | None:
             stat = os.stat(path)
             structure = read_structure(path)
         except (Unsupported, OSError) as e:
-            logger.debug("%s: reading it with torch (%s)", path, e)
+            logger.info("%s needs torch.load (%s): reading and writing through torch, which is slower", path, e)
             return None
         if not isinstance(structure, dict):
             return None

@@ -177,7 +177,7 @@ def _plan_direct(
     try:
         check_direct_sources(source, options, direct)
     except Unsupported as e:
-        logger.debug("planning with torch: %s", e)
+        logger.info("reading and writing through torch, which is slower: %s", e)
         return None
     return ReshardPlan(tuple(inputs), tuple(outputs), source, options, trust_checkpoint, direct=tuple(direct))
 
@@ -194,13 +194,14 @@ def write_reshard_outputs(
 
 
 def summarize_plan(plan: ReshardPlan) -> str:
-    """`8 shard(s) -> 2 flat shard(s); optimizer state kept; dtype unchanged`."""
+    """`8 shard(s) -> 2 flat shard(s); optimizer state kept; dtype unchanged; bytes copied directly`."""
     opts = plan.options
     form = "unflattened" if opts.unflatten else "flat"
     src = "1 unflattened input" if plan.source.model.unflattened else f"{len(plan.inputs)} shard(s)"
     optim = "dropped" if opts.skip_optimizer_state else ("kept" if plan.source.optim else "none")
     dtype = str(opts.output_dtype).replace("torch.", "") if opts.output_dtype else "unchanged"
-    return f"{src} -> {opts.num_output_shards} {form} shard(s); optimizer state {optim}; dtype {dtype}"
+    how = "bytes copied directly" if plan.direct else "through torch"
+    return f"{src} -> {opts.num_output_shards} {form} shard(s); optimizer state {optim}; dtype {dtype}; {how}"
 
 
 def describe_reshard_plan(plan: ReshardPlan) -> list[str]:
