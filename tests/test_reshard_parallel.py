@@ -105,12 +105,13 @@ def test_model_part_placeholder_must_be_in_both_names(inp: str, out: str, flag: 
         expand_model_parts(inp, out)
 
 
-def test_worker_error_is_one_line_and_leaves_no_output(parts_dir: Path, tmp_path: Path, capsys) -> None:
+@pytest.mark.parametrize("io", [[], ["--torch-io"]], ids=["threads-copying", "torch-processes"])
+def test_worker_error_is_one_line_and_leaves_no_output(parts_dir: Path, tmp_path: Path, capsys, io) -> None:
     out = tmp_path / "out"
     out.mkdir()
     (out / "1").write_text("a file where output 1's folder should be")
     argv = ["--input", _pattern(parts_dir), "--output", str(out / "{i}" / "shard.pt"), "--num-output-shards", "3",
-            "--num-workers", "2"]
+            "--num-workers", "2", *io]
     assert main(argv) == 2
     assert f"{out / '1' / 'shard.pt'}: cannot write" in _error_line(capsys.readouterr().err)
     assert [p.name for p in out.rglob("*") if p.is_file()] == ["1"]  # outputs 0 and 2 removed, no temp files

@@ -32,6 +32,7 @@ from metaseq.reshard.parallel import (
     list_jobs,
     memory_bound,
     remove_outputs,
+    threaded,
     write_jobs,
 )
 from metaseq.reshard.progress import make_progress
@@ -186,7 +187,7 @@ def _choose_workers(
     held = held_bytes(plans, jobs, checksums)
     if requested is not None:
         workers = max(1, min(requested, len(jobs)))
-        if workers > 1:
+        if workers > 1 and not threaded(plans):
             logger.info("%d worker processes: peak memory about %d MiB", workers, estimated_peak(workers, held) // MIB)
         return workers
     workers = default_num_workers(plans, jobs, cpus=cpus, checksums=checksums)

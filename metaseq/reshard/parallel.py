@@ -21,7 +21,7 @@ import multiprocessing
 import os
 import threading
 from collections import defaultdict
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, FIRST_EXCEPTION, Future, ProcessPoolExecutor, ThreadPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
@@ -53,6 +53,7 @@ __all__ = [
     "remove_outputs",
     "save_output",
     "streams",
+    "threaded",
     "write_jobs",
 ]
 
@@ -120,7 +121,7 @@ def default_num_workers(
     Each worker must also have `BYTES_PER_WORKER` to write, or starting it costs more
     than it saves. Bigger K is the user's choice (`--num-workers`), at K x the memory.
     """
-    if all(plan.direct for plan in plans):  # threads copying in the kernel: no extra memory
+    if threaded(plans):  # threads copying in the kernel: no extra memory
         return max(1, min(cpus, len(jobs)))
     bound = memory_bound(plans, jobs)
     largest = held_bytes(plans, jobs, checksums)
@@ -371,8 +372,10 @@ def _write_in_threads(
     with ThreadPoolExecutor(num_workers, thread_name_prefix="reshard-writer") as pool:
         futures = [pool.submit(run, job) for job in jobs]
         try:
+            wait(futures, return_when=FIRST_EXCEPTION)
             for future in futures:
-                future.result()
+                if future.done() and future.exception() is not None:
+                    raise future.exception()
         except BaseException:
             for future in futures:
                 future.cancel()
