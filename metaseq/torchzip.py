@@ -218,13 +218,16 @@ class _StorageTag:
         self.dtype = dtype
 
 
-_GLOBALS: dict[tuple[str, str], Any] = {
-    ("collections", "OrderedDict"): collections.OrderedDict,
-    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor,
-    ("torch", "Size"): Size,
+# The only globals a pickle may name. Each lookup returns a fresh object: BUILD can set
+# attributes on what a pickle names, and it must not reach anything shared with other files.
+_GLOBALS: dict[tuple[str, str], Callable[[], Any]] = {
+    ("collections", "OrderedDict"): lambda: collections.OrderedDict,  # a class: BUILD cannot change it
+    ("torch._utils", "_rebuild_tensor_v2"): lambda: lambda *args: _rebuild_tensor(*args),
+    ("torch", "Size"): lambda: Size,
 }
-_GLOBALS.update({("torch", d.storage): _StorageTag(d) for d in _DTYPES})
-_GLOBALS.update({("torch", d.name): d for d in _DTYPES})
+_GLOBALS.update({("torch", d.storage): (lambda d=d: _StorageTag(d)) for d in _DTYPES})
+_GLOBALS.update({("torch", d.name): (lambda d=d: DType(d.name, d.itemsize, d.is_floating_point, d.storage))
+                 for d in _DTYPES})
 
 
 class _Unpickler(pickle.Unpickler):
@@ -235,9 +238,10 @@ class _Unpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         try:
-            return _GLOBALS[(module, name)]
+            make = _GLOBALS[(module, name)]
         except KeyError:
             raise Unsupported(f"global {module}.{name}") from None
+        return make()
 
     def persistent_load(self, pid: Any) -> Storage:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], _StorageTag)):

@@ -212,3 +212,16 @@ def test_tensors_saved_on_a_gpu_are_written_as_cpu_tensors(tmp_path: Path) -> No
     assert b"cuda" not in (tmp_path / "out.pt").read_bytes()
     _assert_same(torch.load(tmp_path / "gpu.pt", map_location="cpu", weights_only=True),
                  torch.load(tmp_path / "out.pt", weights_only=True))
+
+
+def test_a_pickle_cannot_change_what_other_files_are_read_with(tmp_path: Path) -> None:
+    """BUILD sets attributes on what a pickle names; each file gets fresh objects, so only its own."""
+    tampered = (b"\x80\x02}q\x00X\x01\x00\x00\x00d"  # {"d": torch.float32 with BUILD {"itemsize": 3}}
+                b"ctorch\nfloat32\n}X\x08\x00\x00\x00itemsizeK\x03sbs.")
+    with zipfile.ZipFile(tmp_path / "tampered.pt", "w") as archive:
+        archive.writestr("archive/data.pkl", tampered)
+    assert read_structure(str(tmp_path / "tampered.pt"))["d"].itemsize == 3
+    torch.save({"w": torch.zeros(5)}, tmp_path / "clean.pt")
+    clean = read_structure(str(tmp_path / "clean.pt"))["w"]
+    assert clean.dtype.itemsize == 4 and clean.storage.nbytes == 20
+    assert torchzip.dtype_by_name("float32").itemsize == 4
