@@ -542,7 +542,9 @@ def write_checkpoint(fd: int, obj: Any, *, archive: str = "archive", report: Rep
     """Write `obj` as a torch checkpoint to the empty file `fd`; returns the file size.
 
     Every storage is filled from its pieces with `copy_file_range`; bytes no piece covers are zeros.
-    `report(nbytes)` is called as storage bytes are copied.
+    The copies go input file by input file, in file order: one input is open at a time (a
+    checkpoint may have a thousand shards) and each is read front to back. `report(nbytes)`
+    is called as storage bytes are copied.
     """
     records = _records(obj, archive)
     offset = 0
@@ -552,44 +554,37 @@ def write_checkpoint(fd: int, obj: Any, *, archive: str = "archive", report: Rep
         record.data_offset = offset + len(record.local_header)
         offset = record.data_offset + record.size
     cd = b"".join(_central_entry(r, r.name.encode()) for r in records)
+    copies: dict[str, list[tuple[int, int, int]]] = {}  # source file: (src offset, dst offset, nbytes)
+    for record in records:
+        _pwrite_all(fd, record.local_header, record.header_offset)
+        if record.data is not None:
+            _pwrite_all(fd, record.data, record.data_offset)
+            continue
+        for start, nbytes in _uncovered(record.storage):
+            _write_zeros(fd, record.data_offset + start, nbytes)
+        for src_path, src_offset, dst_offset, nbytes in record.storage.pieces:
+            copies.setdefault(src_path, []).append((src_offset, record.data_offset + dst_offset, nbytes))
+    for src_path, ranges in copies.items():
+        src = os.open(src_path, os.O_RDONLY)
+        try:
+            for src_offset, dst_offset, nbytes in sorted(ranges):
+                copy_file_range_all(src, fd, nbytes, src_offset, dst_offset, report)
+        finally:
+            os.close(src)
     tail = cd + _end_records(len(records), offset, len(cd))
-    with _Sources() as sources:
-        for record in records:
-            _pwrite_all(fd, record.local_header, record.header_offset)
-            if record.data is not None:
-                _pwrite_all(fd, record.data, record.data_offset)
-            else:
-                _fill_storage(fd, record, sources, report)
     _pwrite_all(fd, tail, offset)
     return offset + len(tail)
 
 
-def _fill_storage(fd: int, record: _Record, sources: _Sources, report: Report | None) -> None:
-    storage, pos = record.storage, 0
-    assert storage is not None
-    for src_path, src_offset, dst_offset, nbytes in sorted(storage.pieces, key=lambda p: p[2]):
+def _uncovered(storage: Storage) -> Iterator[tuple[int, int]]:
+    """(start, nbytes) of the storage's byte ranges no piece fills: padding, left zero."""
+    pos = 0
+    for _, _, dst_offset, nbytes in sorted(storage.pieces, key=lambda p: p[2]):
         if dst_offset > pos:
-            _write_zeros(fd, record.data_offset + pos, dst_offset - pos)
-        copy_file_range_all(sources.fd(src_path), fd, nbytes, src_offset, record.data_offset + dst_offset, report)
+            yield pos, dst_offset - pos
         pos = max(pos, dst_offset + nbytes)
     if pos < storage.nbytes:
-        _write_zeros(fd, record.data_offset + pos, storage.nbytes - pos)
-
-
-class _Sources(contextlib.AbstractContextManager):
-    """Input files opened once per output."""
-
-    def __init__(self) -> None:
-        self.fds: dict[str, int] = {}
-
-    def fd(self, path: str) -> int:
-        if path not in self.fds:
-            self.fds[path] = os.open(path, os.O_RDONLY)
-        return self.fds[path]
-
-    def __exit__(self, *exc: Any) -> None:
-        for fd in self.fds.values():
-            os.close(fd)
+        yield pos, storage.nbytes - pos
 
 
 def _write_zeros(fd: int, offset: int, nbytes: int) -> None:
@@ -645,15 +640,3 @@ def start_writeback(fd: int, offset: int, length: int) -> None:
     if length >= CHUNK_BYTES // 4 and hasattr(os, "posix_fadvise"):
         with contextlib.suppress(OSError):
             os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
-
-
-def walk_tensors(obj: Any, path: tuple = ()) -> Iterator[tuple[tuple, TensorRef]]:
-    """(keys from `obj` down, TensorRef) for every TensorRef in dicts, lists and tuples."""
-    if type(obj) is TensorRef:
-        yield path, obj
-    elif isinstance(obj, dict):
-        for key, value in obj.items():
-            yield from walk_tensors(value, (*path, key))
-    elif type(obj) in (list, tuple):
-        for i, value in enumerate(obj):
-            yield from walk_tensors(value, (*path, i))

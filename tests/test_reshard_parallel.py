@@ -346,3 +346,22 @@ def test_sigterm_while_writing_removes_outputs_and_reports_one_line(parts_dir, t
     assert "terminated by SIGTERM" in _error_line(capsys.readouterr().err)
     assert len(saved) == 2 and not any(os.path.exists(p) for p in saved)  # the second: renamed, then the signal
     assert signal.getsignal(signal.SIGTERM) is handler_before  # main() put the previous handler back
+
+
+def test_many_inputs_need_few_open_files(tmp_path: Path) -> None:
+    """A 175B checkpoint has ~1000 shards per part; the writer opens one input at a time (limit here: 48 files)."""
+    write_shards(make_shards(make_model(), 100), tmp_path / "in")
+    out = tmp_path / "out" / "s{i}.pt"
+    code = (
+        "import resource, sys\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (48, 48))\n"
+        "from metaseq.scripts.reshard_fsdp import main\n"
+        f"sys.exit(main(['--input', {_pattern(tmp_path / 'in')!r}, '--output', {str(out)!r},"
+        " '--num-output-shards', '2', '--quiet']))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    want = main(["--input", _pattern(tmp_path / "in"), "--output", str(tmp_path / "ref" / "s{i}.pt"),
+                 "--num-output-shards", "2", "--quiet", "--torch-io"])
+    assert want == 0
+    _assert_same_files(tmp_path / "out", tmp_path / "ref")
