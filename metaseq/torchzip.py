@@ -206,6 +206,8 @@ def _rebuild_tensor(storage: Storage, storage_offset: int, size: tuple, stride: 
                     backward_hooks: Any, metadata: Any = None) -> TensorRef:
     if backward_hooks or metadata:
         raise Unsupported("tensor with hooks or metadata")
+    if storage_offset < 0 or any(d < 0 for d in size) or any(s < 0 for s in stride) or len(size) != len(stride):
+        raise Unsupported("tensor with a negative offset, size or stride")
     ref = TensorRef(storage, storage_offset, Size(size), tuple(stride), bool(requires_grad))
     last = storage_offset + sum((d - 1) * s for d, s in zip(size, stride)) if ref.numel() else -1
     if last >= storage.nbytes // storage.dtype.itemsize:
@@ -246,7 +248,7 @@ class _Unpickler(pickle.Unpickler):
     def persistent_load(self, pid: Any) -> Storage:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], _StorageTag)):
             raise Unsupported(f"persistent id {pid!r:.60}")
-        _, tag, key, _location, numel = pid  # the location (e.g. cuda:0) is dropped: outputs are cpu, as map_location="cpu"
+        _, tag, key, _location, numel = pid  # location (e.g. cuda:0) dropped: cpu, as map_location="cpu" does
         if key not in self.storages:
             offset, size = self.records.get(f"data/{key}", (-1, -1))
             if size != numel * tag.dtype.itemsize:
@@ -261,6 +263,7 @@ def _zip_records(path: str) -> tuple[dict[str, tuple[int, int]], bytes]:
     pkl = b""
     try:
         with open(path, "rb") as f, zipfile.ZipFile(f) as archive:
+            file_size = os.fstat(f.fileno()).st_size
             infos = archive.infolist()
             if not infos or "/" not in infos[0].filename:
                 raise Unsupported("not a torch zip checkpoint")
@@ -273,6 +276,8 @@ def _zip_records(path: str) -> tuple[dict[str, tuple[int, int]], bytes]:
                 if signature != b"PK\x03\x04":
                     raise Unsupported("bad local header")
                 start = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
+                if start + info.file_size > file_size:
+                    raise Unsupported(f"record {info.filename} runs past the end of the file")
                 name = info.filename[len(prefix):]
                 records[name] = (start, info.file_size)
                 if name in ("data.pkl", "byteorder"):

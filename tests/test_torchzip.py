@@ -225,3 +225,18 @@ def test_a_pickle_cannot_change_what_other_files_are_read_with(tmp_path: Path) -
     clean = read_structure(str(tmp_path / "clean.pt"))["w"]
     assert clean.dtype.itemsize == 4 and clean.storage.nbytes == 20
     assert torchzip.dtype_by_name("float32").itemsize == 4
+
+
+def test_records_that_point_outside_the_file_are_refused(tmp_path: Path) -> None:
+    """A central directory claiming more bytes than the file has: torch.load reports it, nothing is copied."""
+    torch.save({"a": torch.zeros(1000)}, tmp_path / "in.pt")
+    data = bytearray((tmp_path / "in.pt").read_bytes())
+    with zipfile.ZipFile(tmp_path / "in.pt") as archive:
+        info = archive.getinfo("in/data/0")
+    entry = data.index(b"PK\x01\x02")  # central directory entries, up to this record's
+    while data[entry + 46 : entry + 46 + len(info.filename)] != info.filename.encode():
+        entry = data.index(b"PK\x01\x02", entry + 4)
+    struct.pack_into("<II", data, entry + 20, 10**8, 10**8)  # its compressed and uncompressed sizes
+    (tmp_path / "in.pt").write_bytes(bytes(data))
+    with pytest.raises(Unsupported, match="past the end"):
+        read_structure(str(tmp_path / "in.pt"))

@@ -260,7 +260,8 @@ class OutputWriter:
             return self.inputs.fetch(plan, rank)
 
         if plan.direct:
-            return write_direct_output(plan.source, plan.options, job.rank, plan.direct, job.path, report=meter.streamed)
+            return write_direct_output(plan.source, plan.options, job.rank, plan.direct, job.path,
+                                       report=meter.streamed)
         if streams(job, self.checksums):
             from metaseq.reshard.stream import stream_output_shard  # imports torch
 
