@@ -27,7 +27,7 @@ import struct
 import zipfile
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 __all__ = [
     "ALIGNMENT",
@@ -37,7 +37,9 @@ __all__ = [
     "TensorRef",
     "Unsupported",
     "copy_file_range_all",
+    "gaps",
     "is_tensor_ref",
+    "pwrite_all",
     "read_structure",
     "start_writeback",
     "write_checkpoint",
@@ -561,11 +563,12 @@ def write_checkpoint(fd: int, obj: Any, *, archive: str = "archive", report: Rep
     cd = b"".join(_central_entry(r, r.name.encode()) for r in records)
     copies: dict[str, list[tuple[int, int, int]]] = {}  # source file: (src offset, dst offset, nbytes)
     for record in records:
-        _pwrite_all(fd, record.local_header, record.header_offset)
+        pwrite_all(fd, record.local_header, record.header_offset)
         if record.data is not None:
-            _pwrite_all(fd, record.data, record.data_offset)
+            pwrite_all(fd, record.data, record.data_offset)
             continue
-        for start, nbytes in _uncovered(record.storage):
+        spans = ((dst_offset, nbytes) for _, _, dst_offset, nbytes in record.storage.pieces)
+        for start, nbytes in gaps(spans, record.storage.nbytes):  # padding
             _write_zeros(fd, record.data_offset + start, nbytes)
         for src_path, src_offset, dst_offset, nbytes in record.storage.pieces:
             copies.setdefault(src_path, []).append((src_offset, record.data_offset + dst_offset, nbytes))
@@ -577,34 +580,39 @@ def write_checkpoint(fd: int, obj: Any, *, archive: str = "archive", report: Rep
         finally:
             os.close(src)
     tail = cd + _end_records(len(records), offset, len(cd))
-    _pwrite_all(fd, tail, offset)
+    pwrite_all(fd, tail, offset)
     return offset + len(tail)
 
 
-def _uncovered(storage: Storage) -> Iterator[tuple[int, int]]:
-    """(start, nbytes) of the storage's byte ranges no piece fills: padding, left zero."""
+def gaps(spans: Iterable[tuple[int, int]], total: int) -> Iterator[tuple[int, int]]:
+    """(start, length) of the parts of [0, total) that no (start, length) span covers."""
     pos = 0
-    for _, _, dst_offset, nbytes in sorted(storage.pieces, key=lambda p: p[2]):
-        if dst_offset > pos:
-            yield pos, dst_offset - pos
-        pos = max(pos, dst_offset + nbytes)
-    if pos < storage.nbytes:
-        yield pos, storage.nbytes - pos
+    for start, length in sorted(spans):
+        if start > pos:
+            yield pos, start - pos
+        pos = max(pos, start + length)
+    if pos < total:
+        yield pos, total - pos
 
 
 def _write_zeros(fd: int, offset: int, nbytes: int) -> None:
     zeros = bytes(min(nbytes, CHUNK_BYTES))
     while nbytes:
         n = min(nbytes, len(zeros))
-        _pwrite_all(fd, memoryview(zeros)[:n], offset)
+        pwrite_all(fd, memoryview(zeros)[:n], offset)
         offset, nbytes = offset + n, nbytes - n
 
 
-def _pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
+def pwrite_all(fd: int, data: bytes | memoryview, offset: int, report: Report | None = None) -> None:
+    """Write all of `data` at `offset`, CHUNK_BYTES per call, starting each chunk's writeback."""
     view = memoryview(data).cast("B")
-    while len(view):
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n
+    pos = 0
+    while pos < len(view):
+        n = os.pwrite(fd, view[pos : pos + CHUNK_BYTES], offset + pos)
+        start_writeback(fd, offset + pos, n)
+        pos += n
+        if report is not None:
+            report(n)
 
 
 _NO_COPY_FILE_RANGE = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EPERM, errno.EBADF}
@@ -624,13 +632,14 @@ def copy_file_range_all(src: int, dst: int, nbytes: int, src_offset: int, dst_of
                 if e.errno not in _NO_COPY_FILE_RANGE:
                     raise
                 use_kernel = False
+            else:
+                start_writeback(dst, dst_offset, n)
         if not use_kernel:
             data = os.pread(src, step, src_offset)
-            _pwrite_all(fd=dst, data=data, offset=dst_offset)
+            pwrite_all(dst, data, dst_offset)
             n = len(data)
         if n == 0:
             raise OSError(errno.EIO, f"input ended {nbytes} bytes early (file changed while resharding?)")
-        start_writeback(dst, dst_offset, n)
         if report is not None:
             report(n)
         nbytes, src_offset, dst_offset = nbytes - n, src_offset + n, dst_offset + n

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Sequence
 
+from metaseq.torchzip import gaps
+
 if TYPE_CHECKING:
     import torch
 
@@ -137,10 +139,5 @@ def materialize_targets(
 
 def _zero_uncovered(flat: torch.Tensor, pieces: Sequence[Piece]) -> None:
     """Zero the elements of `flat` outside every piece's [dst_start, dst_start + length)."""
-    pos = 0
-    for piece in sorted(pieces, key=lambda p: p.dst_start):
-        if piece.dst_start > pos:
-            flat[pos : piece.dst_start].zero_()
-        pos = max(pos, piece.dst_start + piece.length)
-    if pos < flat.numel():
-        flat[pos:].zero_()
+    for start, length in gaps(((p.dst_start, p.length) for p in pieces), flat.numel()):
+        flat[start : start + length].zero_()

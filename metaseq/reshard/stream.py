@@ -26,7 +26,7 @@ from metaseq.file_io import atomic_output, load_checkpoint, save_to_file
 from metaseq.reshard.build import ReshardOptions, ReshardSource, assemble_output_shard, plan_targets
 from metaseq.reshard.locate import LocatedFile, TensorLocation, locate_tensors
 from metaseq.reshard.ranges import Fetch, Target, resolve_path
-from metaseq.torchzip import CHUNK_BYTES, start_writeback
+from metaseq.torchzip import CHUNK_BYTES, gaps, pwrite_all
 
 __all__ = ["CHUNK_BYTES", "stream_output_shard", "zip_crc32"]
 
@@ -114,13 +114,9 @@ def _fill(
 
 def _zero_uncovered(fd: int, offset: int, target: Target) -> None:
     """Padding: the reserved bytes read as zeros already (a hole); written anyway, it is small."""
-    size, pos = target.dtype.itemsize, 0
-    for piece in sorted(target.pieces, key=lambda p: p.dst_start):
-        if piece.dst_start > pos:
-            _pwrite_all(fd, bytes((piece.dst_start - pos) * size), offset + pos * size)
-        pos = max(pos, piece.dst_start + piece.length)
-    if pos < target.shape.numel():
-        _pwrite_all(fd, bytes((target.shape.numel() - pos) * size), offset + pos * size)
+    size = target.dtype.itemsize
+    for start, length in gaps(((p.dst_start, p.length) for p in target.pieces), target.shape.numel()):
+        pwrite_all(fd, bytes(length * size), offset + start * size)
 
 
 def _write_carried(fd: int, value: Any, offset: int, loc: TensorLocation, report: Report | None) -> None:
@@ -136,22 +132,11 @@ def _write_tensor(
     """`src` (contiguous) as `dtype` at byte `offset`; a cast goes through a reused buffer, chunk by chunk."""
     flat = src.reshape(-1)
     if flat.dtype == dtype:
-        _pwrite_all(fd, memoryview(flat.view(torch.uint8).numpy()), offset, report)
+        pwrite_all(fd, memoryview(flat.view(torch.uint8).numpy()), offset, report)
         return
     step = CHUNK_BYTES // dtype.itemsize
     buffer = cast_buffer.setdefault(dtype, torch.empty(step, dtype=dtype))
     for start in range(0, flat.numel(), step):
         chunk = buffer[: min(step, flat.numel() - start)]
         chunk.copy_(flat[start : start + chunk.numel()])
-        _pwrite_all(fd, memoryview(chunk.view(torch.uint8).numpy()), offset + start * dtype.itemsize, report)
-
-
-def _pwrite_all(fd: int, data: bytes | memoryview, offset: int, report: Report | None = None) -> None:
-    view = memoryview(data).cast("B")
-    pos = 0
-    while pos < len(view):
-        n = os.pwrite(fd, view[pos : pos + CHUNK_BYTES], offset + pos)
-        start_writeback(fd, offset + pos, n)
-        pos += n
-        if report is not None:
-            report(n)
+        pwrite_all(fd, memoryview(chunk.view(torch.uint8).numpy()), offset + start * dtype.itemsize, report)
