@@ -127,3 +127,13 @@ def test_bad_training_flags_give_one_line_error(tmp_path, flags, culprit):
     assert culprit in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not list(tmp_path.glob("*.pt"))
+
+
+def test_new_runs_record_the_opt_exact_variant(trained):
+    save_dir, _ = trained[1]
+    (ckpt,) = _shards(save_dir, 1)
+    assert ckpt["cfg"]["model"]["no_scale_embedding"] is True
+    assert ckpt["cfg"]["model"]["position_offset"] == 2
+    root = ckpt["shard_metadata"]["param_metadata"][0]["params"]["flat_param_0"]
+    shapes = dict(zip(root["names"], root["shapes"]))
+    assert tuple(shapes["decoder.embed_positions.weight"]) == (ckpt["cfg"]["model"]["max_target_positions"] + 2, 30)

@@ -2,7 +2,14 @@
 
 Parameter names follow metaseq/OPT (`decoder.embed_tokens.weight`,
 `decoder.layers.{k}.self_attn.q_proj.weight`, ...), so checkpoints look like the
-real thing. The output projection is tied to the token embedding. Default sizes
+real thing. The output projection is tied to the token embedding.
+
+The model computes what OPT (and Hugging Face's `OPTForCausalLM`) computes: token
+embeddings are not scaled (`no_scale_embedding`), and learned positions come from
+a table of `max_target_positions + 2` rows where position t uses row t + 2
+(`position_offset`; rows 0 and 1 are unused but kept, as in OPT). Checkpoints
+written before these fields existed hold the earlier variant (embeddings scaled
+by sqrt(embed dim), no offset); `ModelConfig.from_dict` reads them as that. Default sizes
 are deliberately awkward (embed dim 30, ffn 71, 67 positions, 260 tokens) so that
 FSDP has to pad its flat parameters at most world sizes.
 """
@@ -19,7 +26,10 @@ from torch import nn
 
 from metaseq.tokenizer import VOCAB_SIZE
 
-__all__ = ["ModelConfig", "TransformerLanguageModel", "build_model"]
+__all__ = ["PRE_OPT_EXACT", "ModelConfig", "TransformerLanguageModel", "build_model"]
+
+# What a cfg["model"] without `no_scale_embedding` means: written before the model was OPT-exact.
+PRE_OPT_EXACT = {"no_scale_embedding": False, "position_offset": 0}
 
 
 @dataclass
@@ -30,14 +40,22 @@ class ModelConfig:
     decoder_ffn_embed_dim: int = 71
     max_target_positions: int = 67
     vocab_size: int = VOCAB_SIZE
+    no_scale_embedding: bool = True  # metaseq's flag; False: token embeddings times sqrt(embed dim)
+    position_offset: int = 2  # position t uses row t + offset of the learned position table
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        """Unknown keys are ignored. A dict without `no_scale_embedding` is a checkpoint
+        written before the OPT-exact change and gets `PRE_OPT_EXACT`; one with it but
+        without `position_offset` (upstream metaseq's cfg) gets OPT's offset 2."""
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
+        known = {k: v for k, v in d.items() if k in names}
+        if "no_scale_embedding" not in known:
+            known = {**PRE_OPT_EXACT, **known}
+        return cls(**known)
 
     def validate(self) -> None:
         if self.decoder_embed_dim % self.decoder_attention_heads:
@@ -45,6 +63,8 @@ class ModelConfig:
                 f"--decoder-embed-dim={self.decoder_embed_dim} is not divisible by "
                 f"--decoder-attention-heads={self.decoder_attention_heads}; pick a divisor"
             )
+        if self.position_offset < 0:
+            raise ValueError(f"position_offset={self.position_offset} must be >= 0 (OPT uses 2)")
 
 
 class SelfAttention(nn.Module):
@@ -88,9 +108,11 @@ class TransformerDecoder(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         dim = cfg.decoder_embed_dim
-        self.embed_scale = math.sqrt(dim)
+        self.embed_scale = 1.0 if cfg.no_scale_embedding else math.sqrt(dim)
+        self.position_offset = cfg.position_offset
         self.embed_tokens = nn.Embedding(cfg.vocab_size, dim)
-        self.embed_positions = nn.Embedding(cfg.max_target_positions, dim)
+        # OPT: max_target_positions + 2 rows, position t at row t + 2.
+        self.embed_positions = nn.Embedding(cfg.max_target_positions + cfg.position_offset, dim)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.decoder_layers))
         self.layer_norm = nn.LayerNorm(dim)
         self.output_projection = nn.Linear(dim, cfg.vocab_size, bias=False)
@@ -101,8 +123,11 @@ class TransformerDecoder(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         B, T = tokens.shape
-        positions = torch.arange(T, device=tokens.device)
-        x = self.embed_scale * self.embed_tokens(tokens) + self.embed_positions(positions)  # (B, T, C)
+        positions = torch.arange(T, device=tokens.device) + self.position_offset
+        x = self.embed_tokens(tokens)  # (B, T, C)
+        if self.embed_scale != 1.0:
+            x = self.embed_scale * x
+        x = x + self.embed_positions(positions)
         for layer in self.layers:
             x = layer(x)
         return self.output_projection(self.layer_norm(x))  # (B, T, V)
