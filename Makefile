@@ -13,7 +13,7 @@ $(VENV)/bin/python:
 # Re-run the install when the pins or the package metadata change.
 $(STAMP): $(VENV)/bin/python setup.py constraints.txt
 	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
-	$(PY) -m pip install -q -c constraints.txt -e ".[test]"
+	$(PY) -m pip install -q -c constraints.txt -e ".[test,hf]"
 	touch $(STAMP)
 
 test: install

@@ -11,5 +11,11 @@ setup(
     # The Makefile pins exact versions through constraints.txt.
     install_requires=["torch>=2.1", "fairscale>=0.4.13", "numpy", "tqdm"],
     # bench: only `python -m metaseq.scripts.benchmark_reshard --plot` needs it.
-    extras_require={"test": ["pytest>=7", "hypothesis>=6"], "bench": ["matplotlib"]},
+    # hf: the Hugging Face bridge (metaseq.hf, convert_to_hf / convert_from_hf); transformers 5
+    # has OPTForCausalLM (with `dtype` in config.json). Exact versions in constraints.txt.
+    extras_require={
+        "test": ["pytest>=7", "hypothesis>=6"],
+        "bench": ["matplotlib"],
+        "hf": ["transformers>=5,<6", "safetensors>=0.4", "tokenizers>=0.20"],
+    },
 )

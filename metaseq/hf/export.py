@@ -1,0 +1,132 @@
+"""A metaseq checkpoint -> a Hugging Face OPT folder (`OPTForCausalLM.from_pretrained(DIR)`).
+
+    convert_to_hf("out/reshard-model_part-0.pt", "hf_model")
+    convert_to_hf("ckpts/checkpoint_last-model_part-0-shard*.pt", "hf_model")   # raw shards
+
+Raw shards (or a flat file) are first consolidated by `reshard_fsdp_checkpoints` into a
+temp file, which is then read with mmap, so memory stays near one copy of the weights.
+Weights keep their bytes and dtype; the folder appears complete or not at all.
+"""
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import logging
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from metaseq.file_io import load_checkpoint
+from metaseq.hf.config import DTYPE_NAMES, hf_config, hf_generation_config
+from metaseq.hf.errors import ConversionError
+from metaseq.hf.names import check_state_matches_model, split_fused_qkv, to_hf_state_dict
+from metaseq.hf.outdir import atomic_directory, check_output_directory
+from metaseq.hf.tokenization import byte_tokenizer_files, require
+from metaseq.hf.variants import fused_qkv_order, is_opt_exact, is_upstream_cfg, model_config_from_cfg
+from metaseq.models.transformer_lm import ModelConfig
+from metaseq.reshard import reshard_fsdp_checkpoints
+from metaseq.tokenizer import VOCAB_SIZE
+
+__all__ = ["convert_to_hf", "hf_tensors_from_checkpoint", "write_hf_folder"]
+
+logger = logging.getLogger(__name__)
+
+_GLOB_CHARS = re.compile(r"[*?\[]")
+_WRAPPERS = re.compile(r"(^|\.)(_fsdp_wrapped_module|_fpw_module)\.")
+SAFETENSORS_NAME = "model.safetensors"
+
+
+def convert_to_hf(input_path: str, output_dir: str | os.PathLike, *, overwrite: bool = False,
+                  trust_checkpoint: bool = False) -> Path:
+    """Write `output_dir` from a consolidated file or a glob of one model part's raw shards.
+
+    Raises ConversionError (or CheckpointLoadError/ReshardError) before writing anything
+    when the input cannot be converted: old-variant or OPT-350m models, unknown weights.
+    """
+    check_output_directory(output_dir, overwrite=overwrite)
+    require("safetensors")
+    with tempfile.TemporaryDirectory(prefix="metaseq-to-hf-") as tmp:
+        ckpt = _load_unflattened(input_path, tmp, trust_checkpoint)
+        config, tensors = hf_tensors_from_checkpoint(ckpt, source=input_path)
+        with_tokenizer = not is_upstream_cfg(ckpt["cfg"]["model"]) and config.vocab_size == VOCAB_SIZE
+        if not with_tokenizer:
+            logger.warning("%s: a vocabulary of %d tokens is not this project's byte tokenizer; no tokenizer "
+                           "files written: copy the model's own (e.g. an HF OPT tokenizer) into %s",
+                           input_path, config.vocab_size, output_dir)
+        out = write_hf_folder(output_dir, config, tensors, overwrite=overwrite, with_tokenizer=with_tokenizer)
+    logger.info("wrote %s: %d tensors, %s", out, len(tensors), DTYPE_NAMES[_dtype(tensors)])
+    return out
+
+
+def _load_unflattened(input_path: str, tmp: str, trust: bool) -> dict[str, Any]:
+    """The checkpoint with unflattened weights, tensors mapped from disk."""
+    if _GLOB_CHARS.search(input_path) is None:
+        if not os.path.isfile(input_path):
+            raise ConversionError(f"--input {input_path}: no such file (quote a glob of raw shards: 'DIR/*-shard*.pt')")
+        ckpt = load_checkpoint(input_path, mmap=True, trust=trust)
+        if not any("flat_param_" in str(k) for k in ckpt.get("model", {})):
+            return ckpt
+    elif not glob.glob(input_path):
+        raise ConversionError(f"--input {input_path!r} matches no files")
+    consolidated = os.path.join(tmp, "consolidated.pt")
+    reshard_fsdp_checkpoints(input_path, consolidated, unflatten_weights=True, skip_optimizer_state=True,
+                             trust_checkpoint=trust)
+    logger.info("consolidated %s into a temp file", input_path)
+    return load_checkpoint(consolidated, mmap=True, trust=trust)
+
+
+def hf_tensors_from_checkpoint(ckpt: Mapping[str, Any], *, source: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """(our model config, HF-named tensors) of an unflattened checkpoint; checked against the model's shapes."""
+    try:
+        cfg_model, state = ckpt["cfg"]["model"], ckpt["model"]
+    except (KeyError, TypeError):
+        raise ConversionError(f"{source}: no cfg['model'] or no 'model' weights; this is not a metaseq checkpoint") from None
+    state = {_WRAPPERS.sub(r"\1", str(k)): v for k, v in state.items()}
+    config = model_config_from_cfg(cfg_model, state, source=source)
+    if not is_opt_exact(config):
+        raise ConversionError(
+            f"{source}: written before the OPT-exact change (cfg['model'] no_scale_embedding="
+            f"{config.no_scale_embedding}, position_offset={config.position_offset}): its embeddings are scaled "
+            "and its positions not offset by 2, which OPTForCausalLM cannot compute exactly; serve it with "
+            "metaseq.cli.interactive_cli, or retrain it with the current metaseq.cli.train to export it"
+        )
+    state = split_fused_qkv(state, fused_qkv_order(cfg_model))
+    if getattr(config, "fused_qkv", False):  # HF's OPT has q_proj, k_proj, v_proj
+        config = dataclasses.replace(config, fused_qkv=False)
+    check_state_matches_model(config, state, source=source)
+    return config, to_hf_state_dict(state)
+
+
+def _dtype(tensors: Mapping[str, torch.Tensor]) -> torch.dtype:
+    dtypes = {t.dtype for t in tensors.values()}
+    if len(dtypes) != 1 or next(iter(dtypes)) not in DTYPE_NAMES:
+        raise ConversionError(f"the weights mix or use unsupported dtypes {sorted(map(str, dtypes))}; "
+                              "convert them to one of float32, float16, bfloat16 first (reshard_fsdp --output-dtype)")
+    return dtypes.pop()
+
+
+def write_hf_folder(output_dir: str | os.PathLike, config: ModelConfig, tensors: Mapping[str, torch.Tensor], *,
+                    overwrite: bool = False, with_tokenizer: bool = True) -> Path:
+    """config.json, generation_config.json, model.safetensors (+ the byte tokenizer's files), atomically."""
+    from safetensors.torch import save_file
+
+    files = {
+        "config.json": _json(hf_config(config, _dtype(tensors))),
+        "generation_config.json": _json(hf_generation_config(config)),
+    }
+    if with_tokenizer:
+        files.update(byte_tokenizer_files(config.max_target_positions))
+    with atomic_directory(output_dir, overwrite=overwrite) as tmp:
+        for name, text in files.items():
+            (tmp / name).write_text(text, encoding="utf-8")
+        save_file(dict(tensors), str(tmp / SAFETENSORS_NAME), metadata={"format": "pt"})
+    return Path(output_dir)
+
+
+def _json(obj: Any) -> str:
+    return json.dumps(obj, indent=2, sort_keys=True) + "\n"

@@ -1,0 +1,165 @@
+"""A Hugging Face OPT folder -> this project's checkpoints: raw FSDP shards or one consolidated file.
+
+    convert_from_hf("hf_model", "ckpts/checkpoint_last-model_part-0-shard{i}.pt", num_output_shards=4)
+
+The weights are renamed (no copy, no cast) into a consolidated, unflattened checkpoint
+whose `shard_metadata` is what fairscale FSDP reports for our model
+(`metaseq.hf.fsdp_layout`); `reshard_fsdp_checkpoints` then cuts it into raw shards for
+any world size. No optimizer state is carried: training resumes with a fresh Adam.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from metaseq.file_io import atomic_torch_save
+from metaseq.hf.config import model_config_from_hf
+from metaseq.hf.errors import ConversionError
+from metaseq.hf.fsdp_layout import fsdp_shard_metadata
+from metaseq.hf.names import check_state_matches_model, from_hf_state_dict
+from metaseq.hf.tokenization import require
+from metaseq.models.transformer_lm import ModelConfig
+from metaseq.reshard import reshard_fsdp_checkpoints
+
+__all__ = ["checkpoint_from_hf", "convert_from_hf", "read_hf_folder"]
+
+logger = logging.getLogger(__name__)
+
+SAFETENSORS = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+PYTORCH_BIN = "pytorch_model.bin"
+
+
+def convert_from_hf(
+    input_dir: str | os.PathLike,
+    output_shard_name: str,
+    *,
+    num_output_shards: int = 1,
+    unflatten_weights: bool = False,
+    overwrite: bool = False,
+) -> list[str]:
+    """Write `num_output_shards` raw shards (`{i}` in the name), or one consolidated file; returns the paths.
+
+    Everything (folder, config, weights, output names) is checked before anything is written.
+    """
+    outputs = _output_paths(output_shard_name, num_output_shards, unflatten_weights, overwrite)
+    hf_cfg, state = read_hf_folder(input_dir)
+    ckpt = checkpoint_from_hf(hf_cfg, state, source=str(input_dir))
+    with tempfile.TemporaryDirectory(prefix="metaseq-from-hf-") as tmp:
+        consolidated = os.path.join(tmp, "reshard-model_part-0.pt")
+        atomic_torch_save(ckpt, consolidated)
+        written = reshard_fsdp_checkpoints(consolidated, output_shard_name, num_output_shards=num_output_shards,
+                                           unflatten_weights=unflatten_weights, overwrite=overwrite)
+    assert written == outputs, (written, outputs)
+    if not unflatten_weights:
+        logger.warning("no optimizer state in %s: training restored from it starts Adam from scratch", input_dir)
+    return written
+
+
+def _output_paths(name: str, count: int, unflatten: bool, overwrite: bool) -> list[str]:
+    if count < 1:
+        raise ConversionError(f"--num-output-shards={count} must be at least 1")
+    if unflatten and count != 1:
+        raise ConversionError(f"--unflatten-weights True writes one consolidated file, but --num-output-shards={count}; "
+                              "pass --num-output-shards 1")
+    if count > 1 and "{i}" not in name:
+        raise ConversionError(f"--num-output-shards={count} but --output-shard-name {name!r} has no '{{i}}'; "
+                              "add it where the shard index goes, e.g. 'ckpts/checkpoint_last-model_part-0-shard{i}.pt'")
+    outputs = [name.replace("{i}", str(i)) for i in range(count)]
+    existing = [p for p in outputs if os.path.exists(p)]
+    if existing and not overwrite:
+        raise ConversionError(f"--output-shard-name: {existing[0]} already exists; pass --overwrite to replace it")
+    return outputs
+
+
+def read_hf_folder(folder: str | os.PathLike) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(config.json as a dict, every weight by its HF name) from `model.safetensors`, a sharded
+    safetensors index (`model.safetensors.index.json`) or `pytorch_model.bin`."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ConversionError(f"--input {folder}: no such folder")
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise ConversionError(f"--input {folder}: no config.json there; pass a Hugging Face model folder")
+    try:
+        hf_cfg = json.loads(config_path.read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise ConversionError(f"{config_path}: not valid JSON ({e})") from None
+    return hf_cfg, _read_weights(folder)
+
+
+def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
+    if (folder / SAFETENSORS).is_file():
+        return _read_safetensors([folder / SAFETENSORS])
+    if (folder / SAFETENSORS_INDEX).is_file():
+        return _read_safetensors(_index_files(folder))
+    if (folder / PYTORCH_BIN).is_file():
+        return _read_pytorch_bin(folder / PYTORCH_BIN)
+    raise ConversionError(f"--input {folder}: no weights there ({SAFETENSORS}, {SAFETENSORS_INDEX} or {PYTORCH_BIN})")
+
+
+def _index_files(folder: Path) -> list[Path]:
+    index_path = folder / SAFETENSORS_INDEX
+    try:
+        weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConversionError(f"{index_path}: no valid 'weight_map' ({e})") from None
+    files = [folder / name for name in dict.fromkeys(weight_map.values())]
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise ConversionError(f"{index_path} names {missing[0]}, which does not exist; is the download complete?")
+    return files
+
+
+def _read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
+    safetensors = require("safetensors")
+    state: dict[str, torch.Tensor] = {}
+    for path in files:
+        try:
+            with safetensors.safe_open(str(path), framework="pt") as f:
+                for key in f.keys():
+                    state[key] = f.get_tensor(key)
+        except Exception as e:  # truncated or not a safetensors file
+            raise ConversionError(f"{path}: cannot read it as safetensors ({type(e).__name__}: {e})") from None
+    return state
+
+
+def _read_pytorch_bin(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except Exception as e:
+        raise ConversionError(f"{path}: cannot read it ({type(e).__name__}: {str(e).splitlines()[0][:120]})") from None
+    if not isinstance(state, dict):
+        raise ConversionError(f"{path}: holds a {type(state).__name__}, not a state dict")
+    return state
+
+
+def checkpoint_from_hf(hf_cfg: Mapping[str, Any], state: Mapping[str, torch.Tensor], *, source: str) -> dict[str, Any]:
+    """A consolidated, unflattened checkpoint dict (the layout `reshard_fsdp --unflatten-weights` writes)."""
+    config = model_config_from_hf(hf_cfg, source=f"{source}/config.json")
+    ours = from_hf_state_dict(state, source=source)
+    check_state_matches_model(config, ours, source=source)
+    return {
+        "model": ours,
+        "shard_metadata": fsdp_shard_metadata(config),
+        "cfg": _cfg(config, source),
+        "optimizer_history": [{"criterion_name": "CrossEntropyCriterion", "optimizer_name": "Adam",
+                               "lr_scheduler_state": {}, "num_updates": 0}],
+        "extra_state": {"metrics": {}, "previous_training_time": 0.0, "train_iterator": None},
+    }
+
+
+def _cfg(config: ModelConfig, source: str) -> dict[str, Any]:
+    """What metaseq.cli.train and interactive_cli read: the model config; the rest describes the origin."""
+    return {
+        "model": config.to_dict(),
+        "distributed_training": {"distributed_world_size": 1, "distributed_rank": 0,
+                                 "ddp_backend": "fully_sharded", "use_sharded_state": True},
+        "task": {"converted_from_hf": str(source)},
+    }

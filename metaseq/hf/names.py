@@ -1,0 +1,120 @@
+"""Parameter names and tensors between this project's (metaseq's) model and Hugging Face's OPT (pure).
+
+metaseq                                  Hugging Face OPTForCausalLM
+decoder.embed_tokens.weight              model.decoder.embed_tokens.weight
+decoder.embed_positions.weight           model.decoder.embed_positions.weight   (max positions + 2 rows)
+decoder.layers.{i}.<same>                model.decoder.layers.{i}.<same>
+decoder.layers.{i}.self_attn.qkv_proj.*  ...self_attn.{q,k,v}_proj.*             (fused: split on dim 0)
+decoder.layer_norm.{weight,bias}         model.decoder.final_layer_norm.{weight,bias}
+decoder.output_projection.weight         lm_head.weight (tied to the embedding: not stored)
+decoder.version                          (a buffer HF does not have)
+
+Tensors are passed through as they are: no copy, no dtype cast, except that the three
+blocks of a fused projection become three (contiguous) tensors.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from metaseq.hf.errors import ConversionError
+from metaseq.hf.variants import EMBED_TOKENS
+from metaseq.models.transformer_lm import ModelConfig, TransformerLanguageModel
+
+__all__ = [
+    "OUTPUT_PROJECTION",
+    "VERSION_KEY",
+    "check_state_matches_model",
+    "from_hf_state_dict",
+    "split_fused_qkv",
+    "strip_hf_prefix",
+    "to_hf_state_dict",
+    "tie_and_version",
+]
+
+OUTPUT_PROJECTION = "decoder.output_projection.weight"
+VERSION_KEY = "decoder.version"
+LM_HEAD = "lm_head.weight"
+_RENAMES = {"decoder.layer_norm.weight": "decoder.final_layer_norm.weight",
+            "decoder.layer_norm.bias": "decoder.final_layer_norm.bias"}
+_FUSED = re.compile(r"^(.*\.self_attn\.)qkv_proj\.(weight|bias)$")
+
+
+def split_fused_qkv(state: Mapping[str, Any], order: Sequence[str]) -> dict[str, Any]:
+    """`...qkv_proj.{weight,bias}` -> `...{q,k,v}_proj.*`; `order` names the three dim-0 blocks."""
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        match = _FUSED.match(key)
+        if match is None:
+            out[key] = value
+            continue
+        if value.shape[0] % 3:
+            raise ConversionError(f"'{key}' has {value.shape[0]} rows, not three equal q/k/v blocks")
+        for name, block in zip(order, value.chunk(3, dim=0)):
+            out[f"{match.group(1)}{name}_proj.{match.group(2)}"] = block.contiguous()
+    return out
+
+
+def to_hf_state_dict(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """Our unflattened weights (q/k/v already split) -> HF names; drops the tied head and buffers."""
+    if EMBED_TOKENS not in state:
+        raise ConversionError(f"the weights have no '{EMBED_TOKENS}'; is this an OPT-style language model?")
+    head = state.get(OUTPUT_PROJECTION)
+    if head is not None and not torch.equal(head, state[EMBED_TOKENS]):
+        raise ConversionError(f"'{OUTPUT_PROJECTION}' differs from '{EMBED_TOKENS}'; untied output projections are not supported")
+    out = {}
+    for key, value in state.items():
+        if key in (OUTPUT_PROJECTION, VERSION_KEY):
+            continue
+        if not key.startswith("decoder."):
+            raise ConversionError(f"unexpected weight '{key}': OPT-style weights all start with 'decoder.'")
+        out["model." + _RENAMES.get(key, key)] = value
+    return out
+
+
+def strip_hf_prefix(state: Mapping[str, Any]) -> dict[str, Any]:
+    """HF checkpoints name weights `model.decoder...` (OPTForCausalLM) or `decoder...` (OPTModel)."""
+    return {key[len("model."):] if key.startswith("model.") else key: value for key, value in state.items()}
+
+
+def from_hf_state_dict(state: Mapping[str, Any], *, source: str) -> dict[str, Any]:
+    """HF weights (with or without the `model.` prefix) -> our names, with the tie and version buffer.
+
+    An `lm_head.weight` must equal the token embedding (the head is tied in our model).
+    """
+    state = strip_hf_prefix(state)
+    head = state.pop(LM_HEAD, None)
+    inverse = {v: k for k, v in _RENAMES.items()}
+    out = {inverse.get(key, key): value for key, value in state.items()}
+    if EMBED_TOKENS not in out:
+        raise ConversionError(f"{source}: no 'model.{EMBED_TOKENS}' among the weights; is this an OPT model?")
+    if head is not None and not torch.equal(head, out[EMBED_TOKENS]):
+        raise ConversionError(
+            f"{source}: '{LM_HEAD}' differs from the token embedding (an untied head), which is not supported"
+        )
+    return tie_and_version(out)
+
+
+def tie_and_version(state: Mapping[str, Any]) -> dict[str, Any]:
+    """Add what our model has and HF's does not: the tied head (the embedding's tensor) and fairseq's version buffer."""
+    out = dict(state)
+    out.setdefault(OUTPUT_PROJECTION, out[EMBED_TOKENS])
+    out.setdefault(VERSION_KEY, torch.tensor([3.0]))
+    return out
+
+
+def check_state_matches_model(config: ModelConfig, state: Mapping[str, Any], *, source: str) -> None:
+    """Our names and shapes must be exactly those of `TransformerLanguageModel(config)` (built on meta)."""
+    with torch.device("meta"):
+        expected = TransformerLanguageModel(config).state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise ConversionError(f"{source}: the weights do not match the model its config describes: "
+                              f"missing {missing[:4]}, unexpected {unexpected[:4]}")
+    for key, value in expected.items():
+        if tuple(state[key].shape) != tuple(value.shape):
+            raise ConversionError(f"{source}: '{key}' has shape {tuple(state[key].shape)}, "
+                                  f"the model its config describes needs {tuple(value.shape)}")

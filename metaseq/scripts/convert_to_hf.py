@@ -1,0 +1,75 @@
+"""Export a metaseq checkpoint as a Hugging Face OPT folder.
+
+    python -m metaseq.scripts.convert_to_hf --input out/reshard-model_part-0.pt --output hf_model
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from metaseq.cli_logging import cli_logging
+from metaseq.file_io import CheckpointLoadError
+from metaseq.hf import ConversionError, convert_to_hf
+from metaseq.reshard import ReshardError
+
+__all__ = ["build_parser", "main"]
+
+logger = logging.getLogger("metaseq.scripts.convert_to_hf")
+
+EPILOG = """\
+examples:
+  # a consolidated file (reshard_fsdp --unflatten-weights True, or convert_from_hf's output)
+  python -m metaseq.scripts.convert_to_hf --input out/reshard-model_part-0.pt --output hf_model
+
+  # raw training shards of one model part, consolidated on the fly (quote the glob)
+  python -m metaseq.scripts.convert_to_hf \\
+    --input "ckpts/checkpoint_last-model_part-0-shard*.pt" --output hf_model --overwrite
+
+then, offline:
+  from transformers import OPTForCausalLM, AutoTokenizer
+  model = OPTForCausalLM.from_pretrained("hf_model"); tok = AutoTokenizer.from_pretrained("hf_model")
+
+DIR gets config.json, generation_config.json, model.safetensors (weights bit-identical, same
+dtype, lm_head tied) and, for this project's byte vocabulary, tokenizer.json and
+tokenizer_config.json. Checkpoints written before the OPT-exact model change and OPT-350m's
+variant are refused. Optimizer state is not exported.
+"""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ConversionError(f"{message} (see --help)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="python -m metaseq.scripts.convert_to_hf",
+        description="Write a Hugging Face OPT folder (OPTForCausalLM) from a metaseq checkpoint.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--input", required=True, metavar="PATH_OR_GLOB",
+                   help="a consolidated .pt file, or a quoted glob of one model part's raw shard files")
+    p.add_argument("--output", required=True, metavar="DIR", help="the folder to write (parents are created)")
+    p.add_argument("--overwrite", action="store_true", help="replace DIR if it exists and is not empty")
+    p.add_argument("--trust-checkpoint", action="store_true", help="allow arbitrary pickles (trusted files only)")
+    p.add_argument("-q", "--quiet", action="store_true", help="log warnings and errors only")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    with cli_logging(logging.INFO) as package_logger:
+        try:
+            args = build_parser().parse_args(argv)
+            if args.quiet:
+                package_logger.setLevel(logging.WARNING)
+            convert_to_hf(args.input, args.output, overwrite=args.overwrite, trust_checkpoint=args.trust_checkpoint)
+        except (ConversionError, ReshardError, CheckpointLoadError, OSError) as e:
+            logger.error("%s", " ".join(str(e).split()))
+            return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
