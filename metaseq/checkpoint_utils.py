@@ -1,18 +1,23 @@
-"""Build, write and find raw FSDP training checkpoints (one file per rank).
+"""Build, write, find and load raw FSDP training checkpoints (one file per rank).
 
 The layout is the one in docs/checkpoint_format.md: `model` is fairscale's
 `local_state_dict()`, `shard_metadata` its `local_metadata_dict()`, and
 `last_optimizer_state` this rank's (sharded, flat) `optimizer.state_dict()`.
+With model parallelism, global rank r = dp_rank * P + mp_rank holds the file
+`PREFIX-model_part-{mp_rank}-shard{dp_rank}.pt`.
 """
 from __future__ import annotations
 
+import copy
 import glob
+import logging
 import os
 import re
 from typing import Any
 
 import torch
 
+from metaseq.distributed.fsdp import lazy_init_all
 from metaseq.file_io import atomic_torch_save, natural_sort_key, shard_file_name
 
 __all__ = [
@@ -20,9 +25,16 @@ __all__ = [
     "build_training_checkpoint",
     "find_restore_files",
     "is_consolidated_file",
+    "load_training_state",
     "restore_prefix",
     "save_training_checkpoint",
 ]
+
+logger = logging.getLogger(__name__)
+
+_PART_SHARD = re.compile(r"-model_part-(\d+)-shard(\d+)\.pt$")
+_PART_FILE = re.compile(r"^(.*)-model_part-(\d+)\.pt$")
+_RESHARD_MP = "python -m metaseq.scripts.reshard_model_parallel"
 
 
 class RestoreError(ValueError):
@@ -61,11 +73,13 @@ def build_training_checkpoint(
     }
 
 
-def save_training_checkpoint(state: dict[str, Any], save_dir: str, *, rank: int, num_updates: int) -> list[str]:
-    """Write `checkpoint_{n}-...` and `checkpoint_last-...` for this rank, atomically."""
+def save_training_checkpoint(
+    state: dict[str, Any], save_dir: str, *, rank: int, num_updates: int, model_part: int = 0
+) -> list[str]:
+    """Write `checkpoint_{n}-...` and `checkpoint_last-...` of this shard (`rank`: the data-parallel rank), atomically."""
     paths = []
     for prefix in (f"checkpoint_{num_updates}", "checkpoint_last"):
-        path = os.path.join(save_dir, shard_file_name(prefix, 0, rank))
+        path = os.path.join(save_dir, shard_file_name(prefix, model_part, rank))
         atomic_torch_save(state, path)
         paths.append(path)
     return paths
@@ -82,27 +96,115 @@ def is_consolidated_file(restore_file: str) -> bool:
     return os.path.isfile(restore_file) and not re.search(r"-shard\d+\.pt$", restore_file)
 
 
-def find_restore_files(restore_file: str, world_size: int) -> list[str]:
-    """The file each rank loads for `--restore-file`, checked against the world size.
+def find_restore_files(restore_file: str, world_size: int, model_parallel_size: int = 1) -> list[str]:
+    """The file each global rank loads for `--restore-file`, checked against the world and model-parallel sizes.
 
-    A consolidated file is loaded by every rank; a stem (`DIR/checkpoint_last.pt`)
-    names one shard file per rank, and their number must equal the world size.
+    A consolidated file holds one model part: with P = 1 every rank loads it; with P > 1
+    name one of `STEM-model_part-{j}.pt` and rank r loads part r % P. A stem
+    (`DIR/checkpoint_last.pt`) names the shard files `DIR/checkpoint_last-model_part-{j}-shard{i}.pt`:
+    P parts of D = world_size / P shards each; rank r loads part r % P, shard r // P.
     """
     if is_consolidated_file(restore_file):
-        return [restore_file] * world_size
+        parts = _consolidated_parts(restore_file, model_parallel_size)
+        return [parts[r % model_parallel_size] for r in range(world_size)]
     prefix = restore_prefix(restore_file)
-    pattern = f"{glob.escape(prefix)}-model_part-0-shard*.pt"
-    files = sorted(glob.glob(pattern), key=natural_sort_key)
-    if not files:
+    by_part = _shards_by_part(prefix)
+    if not by_part:
+        pattern = f"{glob.escape(prefix)}-model_part-0-shard*.pt"
         raise RestoreError(f"--restore-file {restore_file}: no shard files match {pattern}")
-    if len(files) != world_size:
+    _check_part_count(restore_file, sorted(by_part), model_parallel_size)
+    for part, files in sorted(by_part.items()):
+        _check_shards(restore_file, prefix, part, files, world_size, model_parallel_size)
+    return [by_part[r % model_parallel_size][r // model_parallel_size] for r in range(world_size)]
+
+
+def _shards_by_part(prefix: str) -> dict[int, list[str]]:
+    """{model part: its shard files in natural order} for `PREFIX-model_part-*-shard*.pt`."""
+    by_part: dict[int, list[str]] = {}
+    for path in glob.glob(f"{glob.escape(prefix)}-model_part-*-shard*.pt"):
+        match = _PART_SHARD.search(path)
+        if match and path[: match.start()] == prefix:
+            by_part.setdefault(int(match.group(1)), []).append(path)
+    return {j: sorted(files, key=natural_sort_key) for j, files in by_part.items()}
+
+
+def _consolidated_parts(restore_file: str, model_parallel_size: int) -> list[str]:
+    """The per-part consolidated files of the set `restore_file` belongs to, in part order."""
+    match = _PART_FILE.match(restore_file)
+    if match is None:
+        if model_parallel_size == 1:
+            return [restore_file]
+        raise RestoreError(
+            f"--restore-file {restore_file}: a consolidated file holds one model part but "
+            f"--model-parallel-size={model_parallel_size}; name one of the per-part files "
+            f"STEM-model_part-{{j}}.pt (j = 0..{model_parallel_size - 1})"
+        )
+    found = {}
+    for path in glob.glob(f"{glob.escape(match.group(1))}-model_part-*.pt"):
+        other = _PART_FILE.match(path)
+        if other and other.group(1) == match.group(1):
+            found[int(other.group(2))] = path
+    _check_part_count(restore_file, sorted(found), model_parallel_size)
+    return [found[j] for j in range(model_parallel_size)]
+
+
+def _check_part_count(restore_file: str, parts: list[int], model_parallel_size: int) -> None:
+    if len(parts) != model_parallel_size:
+        raise RestoreError(
+            f"--restore-file {restore_file}: the checkpoint has {len(parts)} model parts but "
+            f"--model-parallel-size={model_parallel_size}; pass --model-parallel-size={len(parts)}, or convert it to "
+            f"{model_parallel_size} parts first with {_RESHARD_MP}"
+        )
+    if parts != list(range(model_parallel_size)):
+        raise RestoreError(
+            f"--restore-file {restore_file}: model parts {parts} found, expected 0..{model_parallel_size - 1}; "
+            "is a part missing?"
+        )
+
+
+def _check_shards(restore_file: str, prefix: str, part: int, files: list[str], world_size: int,
+                  model_parallel_size: int) -> None:
+    """Part `part` must have exactly one shard file per data-parallel rank, named shard0..shard{D-1}."""
+    dp_size = world_size // model_parallel_size
+    if len(files) != dp_size and model_parallel_size == 1:
+        pattern = f"{glob.escape(prefix)}-model_part-0-shard*.pt"
         raise RestoreError(
             f"--restore-file {restore_file}: found {len(files)} shard files but --world-size={world_size}; "
             f"reshard first: python -m metaseq.scripts.reshard_fsdp --input-glob-pattern '{pattern}' "
             f"--output-shard-name 'NEW_DIR/checkpoint_last-model_part-0-shard{{i}}.pt' "
             f"--num-output-shards {world_size}"
         )
-    expected = [shard_file_name(prefix, 0, r) for r in range(world_size)]
+    if len(files) != dp_size:
+        pattern = f"{glob.escape(prefix)}-model_part-{{j}}-shard*.pt"
+        raise RestoreError(
+            f"--restore-file {restore_file}: found {len(files)} shard files of model part {part} but the "
+            f"data-parallel size is {dp_size} (--world-size={world_size} / --model-parallel-size={model_parallel_size}); "
+            f"pass --world-size={len(files) * model_parallel_size}, or reshard first: python -m metaseq.scripts.reshard_fsdp "
+            f"--input-glob-pattern '{pattern}' --output-shard-name 'NEW_DIR/checkpoint_last-model_part-{{j}}-shard{{i}}.pt' "
+            f"--num-output-shards {dp_size}"
+        )
+    expected = [shard_file_name(prefix, part, i) for i in range(dp_size)]
     if files != expected:
         raise RestoreError(f"--restore-file {restore_file}: expected shard files {expected}, found {files}")
-    return files
+
+
+def load_training_state(model: Any, optimizer: torch.optim.Optimizer, ckpt: dict[str, Any]) -> None:
+    """Load this rank's checkpoint into the FSDP `model` (root instance) and its optimizer.
+
+    `ckpt` is this rank's flat shard (`load_local_state_dict`, needs every instance's lazy
+    init first), or a consolidated file of this rank's model part: unflattened weights and
+    fairscale's consolidated optimizer layout, valid for any data-parallel size.
+    """
+    lazy_init_all(model)
+    osd = ckpt.get("last_optimizer_state")
+    if any(key.endswith("flat_param_0") for key in ckpt["model"]):
+        model.load_local_state_dict(ckpt["model"])
+    else:
+        model.load_state_dict(ckpt["model"])
+        if osd is not None:
+            # fairscale's consolidated optimizer layout -> this rank's flat shard.
+            osd = model.get_shard_from_optim_state_dict(copy.deepcopy(osd))
+    if osd is None:
+        logger.warning("the restored checkpoint has no optimizer state; Adam starts from scratch")
+    else:
+        optimizer.load_state_dict(osd)

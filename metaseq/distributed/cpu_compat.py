@@ -16,15 +16,26 @@ Nothing about sharding changes: state dicts, metadata and padding stay fairscale
 Callers must also pass `bucket_cap_mb=0` (see `metaseq.distributed.fsdp`): gloo
 checks reduce-scatter shapes, which bucketing violates. On a machine with CUDA
 this module does nothing.
+
+Model parallelism (`fairscale.nn.model_parallel`): its layers and collectives run on
+CPU/gloo as they are. Only its CUDA RNG tracker (`get_cuda_rng_tracker().fork()`,
+which model-parallel dropout runs under, seeded by `model_parallel_cuda_manual_seed`)
+needs CUDA. The model has no dropout, so nothing forks the tracker;
+`seed_model_parallel_rng` seeds it where CUDA exists and does nothing on CPU. A model
+that adds dropout in model-parallel regions needs a CPU stand-in for the tracker here.
 """
 from __future__ import annotations
 
 import contextlib
+import io
+import logging
 from typing import Any
 
 import torch
 
-__all__ = ["patch_fsdp_for_cpu"]
+__all__ = ["patch_fsdp_for_cpu", "seed_model_parallel_rng"]
+
+logger = logging.getLogger(__name__)
 
 _STREAM_NAMES = ("fp32_to_fp16", "all_gather", "post_backward")
 _patched = False
@@ -67,4 +78,17 @@ def patch_fsdp_for_cpu() -> bool:
 
     FSDP._setup_streams = _setup_null_streams
     _patched = True
+    return True
+
+
+def seed_model_parallel_rng(seed: int) -> bool:
+    """fairscale's `model_parallel_cuda_manual_seed` where CUDA exists (its banner goes to the
+    log, not stdout); on CPU nothing needs the tracker. Returns True if it seeded."""
+    if not torch.cuda.is_available():
+        return False
+    from fairscale.nn.model_parallel import model_parallel_cuda_manual_seed
+
+    with contextlib.redirect_stdout(io.StringIO()) as banner:
+        model_parallel_cuda_manual_seed(seed)
+    logger.debug("%s", banner.getvalue().strip())
     return True

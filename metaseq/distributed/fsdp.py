@@ -37,8 +37,12 @@ def init_distributed(rank: int, world_size: int, init_method: str) -> torch.devi
     return device
 
 
-def wrap_model_fsdp(model: nn.Module, device: torch.device) -> FSDP:
-    """Each decoder layer is its own FSDP instance inside a root instance (flat params)."""
+def wrap_model_fsdp(model: nn.Module, device: torch.device, *, process_group: dist.ProcessGroup | None = None) -> FSDP:
+    """Each decoder layer is its own FSDP instance inside a root instance (flat params).
+
+    `process_group`: the ranks that shard this model (with model parallelism, the data-parallel
+    group of this rank's model part; it is also FSDP's reduce-scatter group). None: all ranks.
+    """
     on_cpu = device.type == "cpu"
     kwargs = dict(
         flatten_parameters=True,
@@ -46,6 +50,8 @@ def wrap_model_fsdp(model: nn.Module, device: torch.device) -> FSDP:
         # gloo checks reduce-scatter shapes, which bucketing violates.
         bucket_cap_mb=0 if on_cpu else 25,
     )
+    if process_group is not None:
+        kwargs.update(process_group=process_group, process_group_reduce_scatter=process_group)
     model = model.to(device)
     layers = model.decoder.layers
     for k in range(len(layers)):

@@ -16,6 +16,7 @@ FSDP has to pad its flat parameters at most world sizes.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +27,19 @@ from torch import nn
 
 from metaseq.tokenizer import VOCAB_SIZE
 
-__all__ = ["PRE_OPT_EXACT", "ModelConfig", "TransformerLanguageModel", "build_model"]
+__all__ = [
+    "INIT_STD",
+    "PRE_OPT_EXACT",
+    "ModelConfig",
+    "TransformerLanguageModel",
+    "build_model",
+    "causal_attention",
+    "embed",
+    "init_named_weight_",
+    "init_qkv_weight_",
+]
+
+INIT_STD = 0.05
 
 # What a cfg["model"] without `no_scale_embedding` means: written before the model was OPT-exact.
 PRE_OPT_EXACT = {"no_scale_embedding": False, "position_offset": 0}
@@ -42,6 +55,7 @@ class ModelConfig:
     vocab_size: int = VOCAB_SIZE
     no_scale_embedding: bool = True  # metaseq's flag; False: token embeddings times sqrt(embed dim)
     position_offset: int = 2  # position t uses row t + offset of the learned position table
+    fused_qkv: bool = False  # one qkv_proj ([q; k; v] on dim 0) instead of q_proj, k_proj, v_proj
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -67,24 +81,33 @@ class ModelConfig:
             raise ValueError(f"position_offset={self.position_offset} must be >= 0 (OPT uses 2)")
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int) -> torch.Tensor:
+    """q, k, v (B, T, C) holding `heads` heads side by side -> (B, T, C)."""
+    B, T, C = q.shape
+    # (B, T, C) -> (B, H, T, C/H)
+    q, k, v = (t.view(B, T, heads, C // heads).transpose(1, 2) for t in (q, k, v))
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return y.transpose(1, 2).reshape(B, T, C)
+
+
 class SelfAttention(nn.Module):
-    def __init__(self, dim: int, heads: int):
+    def __init__(self, dim: int, heads: int, fused_qkv: bool = False):
         super().__init__()
         self.heads = heads
-        self.q_proj = nn.Linear(dim, dim)
-        self.k_proj = nn.Linear(dim, dim)
-        self.v_proj = nn.Linear(dim, dim)
+        if fused_qkv:
+            self.qkv_proj = nn.Linear(dim, 3 * dim)  # weight rows [q; k; v]
+        else:
+            self.q_proj = nn.Linear(dim, dim)
+            self.k_proj = nn.Linear(dim, dim)
+            self.v_proj = nn.Linear(dim, dim)
         self.out_proj = nn.Linear(dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        # (B, T, C) -> (B, H, T, C/H)
-        q, k, v = (
-            proj(x).view(B, T, self.heads, C // self.heads).transpose(1, 2)
-            for proj in (self.q_proj, self.k_proj, self.v_proj)
-        )
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.out_proj(y.transpose(1, 2).reshape(B, T, C))
+        if hasattr(self, "qkv_proj"):
+            q, k, v = self.qkv_proj(x).chunk(3, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        return self.out_proj(causal_attention(q, k, v, self.heads))
 
 
 class DecoderLayer(nn.Module):
@@ -93,7 +116,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         dim = cfg.decoder_embed_dim
-        self.self_attn = SelfAttention(dim, cfg.decoder_attention_heads)
+        self.self_attn = SelfAttention(dim, cfg.decoder_attention_heads, cfg.fused_qkv)
         self.self_attn_layer_norm = nn.LayerNorm(dim)
         self.fc1 = nn.Linear(dim, cfg.decoder_ffn_embed_dim)
         self.fc2 = nn.Linear(cfg.decoder_ffn_embed_dim, dim)
@@ -122,24 +145,33 @@ class TransformerDecoder(nn.Module):
         self.register_buffer("version", torch.tensor([3.0]))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        B, T = tokens.shape
-        positions = torch.arange(T, device=tokens.device) + self.position_offset
-        x = self.embed_tokens(tokens)  # (B, T, C)
-        if self.embed_scale != 1.0:
-            x = self.embed_scale * x
-        x = x + self.embed_positions(positions)
+        x = embed(self, tokens)  # (B, T, C)
         for layer in self.layers:
             x = layer(x)
         return self.output_projection(self.layer_norm(x))  # (B, T, V)
 
 
+def embed(decoder: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """tokens (B, T) -> token embeddings (scaled unless no_scale_embedding) plus positions (B, T, C).
+
+    `decoder` has `embed_tokens`, `embed_positions`, `embed_scale` and `position_offset`
+    (the plain and the model-parallel decoder both do).
+    """
+    positions = torch.arange(tokens.size(1), device=tokens.device) + decoder.position_offset
+    x = decoder.embed_tokens(tokens)  # (B, T, C)
+    if decoder.embed_scale != 1.0:
+        x = decoder.embed_scale * x
+    return x + decoder.embed_positions(positions)
+
+
 class TransformerLanguageModel(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, seed: int | None = None):
+        """`seed`: see `init_named_weight_`; None draws one from torch's global RNG."""
         super().__init__()
         cfg.validate()
         self.cfg = cfg
         self.decoder = TransformerDecoder(cfg)
-        self.apply(_init_weights)
+        _init_weights(self, _base_seed(seed))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens (B, T) int64 -> logits (B, T, V)."""
@@ -151,15 +183,51 @@ class TransformerLanguageModel(nn.Module):
         return self.decoder(tokens)
 
 
-def _init_weights(module: nn.Module) -> None:
-    if isinstance(module, (nn.Linear, nn.Embedding)):
-        nn.init.normal_(module.weight, mean=0.0, std=0.05)
-    if isinstance(module, nn.Linear) and module.bias is not None:
-        nn.init.zeros_(module.bias)
+def _base_seed(seed: int | None) -> int:
+    if seed is not None:
+        return seed
+    return int(torch.empty((), dtype=torch.int64, device="cpu").random_())  # cpu even under a meta device context
+
+
+def init_named_weight_(weight: torch.Tensor, name: str, seed: int) -> torch.Tensor:
+    """Fill the FULL weight called `name` (e.g. `decoder.layers.0.fc1.weight`) with N(0, INIT_STD) numbers
+    drawn from a generator seeded by (seed, name) only.
+
+    So a weight's initial value depends neither on the order in which modules are built nor on
+    model parallelism: fairscale's parallel layers call this on the full master weight and keep
+    their slice, and get the same model as the plain one at any model-parallel size.
+    """
+    digest = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest()
+    generator = torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
+    with torch.no_grad():
+        return weight.normal_(mean=0.0, std=INIT_STD, generator=generator)
+
+
+def init_qkv_weight_(weight: torch.Tensor, attn_name: str, seed: int) -> torch.Tensor:
+    """A fused qkv weight (3C, C) as the blocks [q; k; v], each drawn like q_proj/k_proj/v_proj: a
+    fused model starts as the same function as the separate one of the same seed."""
+    for block, part in zip(weight.chunk(3, dim=0), ("q_proj", "k_proj", "v_proj")):
+        init_named_weight_(block, f"{attn_name}.{part}.weight", seed)
+    return weight
+
+
+def _init_weights(model: nn.Module, seed: int) -> None:
+    """Linear and embedding weights by name, biases zero, layer norms as built; meta tensors are left alone."""
+    if any(p.is_meta for p in model.parameters()):
+        return
+    done: set[int] = set()  # a tied weight is drawn once, under its first name
+    for name, module in model.named_modules():
+        if not isinstance(module, (nn.Linear, nn.Embedding)) or id(module.weight) in done:
+            continue
+        done.add(id(module.weight))
+        if name.endswith(".qkv_proj"):
+            init_qkv_weight_(module.weight, name.rsplit(".", 1)[0], seed)
+        else:
+            init_named_weight_(module.weight, f"{name}.weight", seed)
+        if getattr(module, "bias", None) is not None:
+            nn.init.zeros_(module.bias)
 
 
 def build_model(cfg: ModelConfig, seed: int | None = None) -> TransformerLanguageModel:
-    """Build the model; with `seed`, the initial weights depend only on the seed."""
-    if seed is not None:
-        torch.manual_seed(seed)
-    return TransformerLanguageModel(cfg)
+    """Build the model; with `seed`, the initial weights depend only on the seed (and the names)."""
+    return TransformerLanguageModel(cfg, seed=seed)
