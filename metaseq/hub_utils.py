@@ -21,17 +21,21 @@ import logging
 import os
 import re
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Collection, Mapping
 
 import torch
 import torch.nn.functional as F
 
 from metaseq.checkpoint_utils import restore_prefix
 from metaseq.file_io import load_checkpoint, natural_sort_key
-from metaseq.models.transformer_lm import ModelConfig, TransformerLanguageModel, build_model
+from metaseq.hf.errors import ConversionError
+from metaseq.hf.names import upstream_state_for_model
+from metaseq.hf.tokenization import ByteTokenizer, TextTokenizer
+from metaseq.hf.variants import is_upstream_cfg, model_config_from_cfg
+from metaseq.models.transformer_lm import TransformerLanguageModel, build_model
+from metaseq.reshard import ReshardError, consolidate_shards
 from metaseq.reshard.schema import clean_key
-from metaseq.scripts.reshard_fsdp import ReshardError, consolidate_shards
-from metaseq.tokenizer import BOS, EOS, PAD, UNK, decode, encode
+from metaseq.tokenizer import BOS, EOS, PAD, UNK, VOCAB_SIZE, encode
 
 __all__ = [
     "NEWLINE",
@@ -122,13 +126,19 @@ def load_inference_checkpoint(path: str, *, trust: bool = False) -> dict[str, An
 def build_inference_model(ckpt: Mapping[str, Any], *, source: str) -> TransformerLanguageModel:
     """A plain (non-FSDP) model in eval mode, built from `ckpt["cfg"]["model"]`, weights loaded strictly."""
     try:
-        model_cfg = ModelConfig.from_dict(ckpt["cfg"]["model"])
+        cfg_model = ckpt["cfg"]["model"]
         state = ckpt["model"]
     except (KeyError, TypeError):
         raise InferenceLoadError(
             f"{source}: no cfg['model'] or no 'model' weights; this is not a metaseq checkpoint"
         ) from None
     state = {clean_key(str(k)): v for k, v in state.items()}  # FSDP's hooks usually did this already
+    try:  # this project's dict, or upstream metaseq's Namespace (real OPT; OPT-350m refused)
+        if is_upstream_cfg(cfg_model):
+            state = upstream_state_for_model(state)
+        model_cfg = model_config_from_cfg(cfg_model, state, source=source)
+    except ConversionError as e:
+        raise InferenceLoadError(str(e)) from None
     model = build_model(model_cfg)
     check_state_keys(set(model.state_dict()), set(state), source=source)
     check_tied_weights(model, state, source=source)
@@ -214,17 +224,24 @@ def _pad_prompts(prompts: list[list[int]], limit: int) -> tuple[torch.Tensor, to
 
 
 @torch.no_grad()
-def generate_ids(model: TransformerLanguageModel, prompts: list[list[int]], cfg: GenerationConfig) -> list[list[int]]:
+def generate_ids(
+    model: TransformerLanguageModel,
+    prompts: list[list[int]],
+    cfg: GenerationConfig,
+    *,
+    newline_ids: Collection[int] = (NEWLINE,),
+) -> list[list[int]]:
     """New token ids per prompt, without the stop token.
 
     Prompts are right-padded into one (B, T) batch; with causal attention the padding
     after a row's last token cannot change that row's logits, so a row decodes exactly
     as it would alone. A row stops at EOS, at a newline (`stop_at_newline`), after
-    `max_new_tokens` or when it fills the model's `max_target_positions`.
+    `max_new_tokens` or when it fills the model's `max_target_positions`. `newline_ids`: the
+    tokenizer's ids holding a newline (a GPT-2 BPE has several).
     """
     limit = model.cfg.max_target_positions
     tokens, lengths = _pad_prompts(prompts, limit)  # (B, limit), (B,)
-    stops = {EOS, NEWLINE} if cfg.stop_at_newline else {EOS}
+    stops = {EOS, *newline_ids} if cfg.stop_at_newline else {EOS}
     generator = torch.Generator().manual_seed(cfg.seed)
     out: list[list[int]] = [[] for _ in prompts]
     active = torch.ones(len(prompts), dtype=torch.bool)
@@ -246,22 +263,36 @@ def generate_ids(model: TransformerLanguageModel, prompts: list[list[int]], cfg:
 
 
 class GeneratorInterface:
-    """Text in, text out, around a plain `TransformerLanguageModel`."""
+    """Text in, text out, around a plain `TransformerLanguageModel`.
 
-    def __init__(self, model: TransformerLanguageModel):
+    `tokenizer` defaults to this project's byte tokenizer; real OPT models need their GPT-2
+    BPE (`metaseq.hf.BPETokenizer.from_vocab_merges` or `.from_hf_folder`).
+    """
+
+    def __init__(self, model: TransformerLanguageModel, tokenizer: TextTokenizer | None = None):
         self.model = model.eval()
+        self.tokenizer = tokenizer or ByteTokenizer()
 
     @classmethod
-    def from_checkpoint(cls, path: str, *, trust: bool = False) -> "GeneratorInterface":
+    def from_checkpoint(
+        cls, path: str, *, trust: bool = False, tokenizer: TextTokenizer | None = None
+    ) -> "GeneratorInterface":
         """Load a consolidated file or raw shards (see the module docstring)."""
         model = build_inference_model(load_inference_checkpoint(path, trust=trust), source=path)
+        if tokenizer is None and model.cfg.vocab_size != VOCAB_SIZE:
+            raise InferenceLoadError(
+                f"{path}: the model has {model.cfg.vocab_size} tokens, not the byte tokenizer's {VOCAB_SIZE}; "
+                "pass its tokenizer: --vocab-filename gpt2-vocab.json --merges-filename gpt2-merges.txt "
+                "(real OPT) or --hf-tokenizer DIR"
+            )
         n = sum(p.numel() for p in model.parameters())
         logger.info("loaded %s: %d parameters, %d layers", path, n, model.cfg.decoder_layers)
-        return cls(model)
+        return cls(model, tokenizer)
 
     def generate(self, prompts: list[str], cfg: GenerationConfig | None = None) -> list[str]:
         """One completion per prompt (the text after the prompt, stop token excluded)."""
         cfg = cfg or GenerationConfig()
         cfg.validate()
-        ids = generate_ids(self.model, [encode(p, bos=True) for p in prompts], cfg)
-        return [decode(x) for x in ids]
+        tok = self.tokenizer
+        ids = generate_ids(self.model, [tok.encode(p) for p in prompts], cfg, newline_ids=tok.newline_ids)
+        return [tok.decode(x) for x in ids]

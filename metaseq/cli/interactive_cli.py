@@ -6,7 +6,9 @@ On a terminal it shows a `> ` prompt; piped, it answers every input line and exi
         python -m metaseq.cli.interactive_cli --path demo_out/reshard_1/reshard-model_part-0.pt
 
 `--path` is a consolidated file or raw shards (a glob, or a stem such as
-`DIR/checkpoint_last.pt`), consolidated in memory. Answers go to stdout, one line
+`DIR/checkpoint_last.pt`), consolidated in memory. A real OPT checkpoint (upstream
+metaseq's cfg) also needs its GPT-2 BPE: `--vocab-filename gpt2-vocab.json
+--merges-filename gpt2-merges.txt`, or `--hf-tokenizer DIR`. Answers go to stdout, one line
 each; logs and errors go to stderr. Ctrl-D (EOF) exits; empty lines are ignored.
 """
 from __future__ import annotations
@@ -17,6 +19,7 @@ import sys
 from typing import Iterator, TextIO
 
 from metaseq.file_io import CheckpointLoadError
+from metaseq.hf.tokenization import BPETokenizer, TextTokenizer
 from metaseq.hub_utils import GenerationConfig, GeneratorInterface, InferenceLoadError
 
 logger = logging.getLogger("metaseq.cli.interactive_cli")
@@ -41,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=d.seed, help="with --sampling")
     p.add_argument("--no-stop-at-newline", dest="stop_at_newline", action="store_false", help="continue past newlines; stop only at EOS")
     p.add_argument("--trust-checkpoint", action="store_true", help="allow arbitrary pickles (trusted files only)")
+    p.add_argument("--vocab-filename", default=None, help="real OPT: metaseq's GPT-2 BPE vocabulary (gpt2-vocab.json)")
+    p.add_argument("--merges-filename", default=None, help="real OPT: the GPT-2 BPE merges (gpt2-merges.txt)")
+    p.add_argument("--hf-tokenizer", default=None, metavar="DIR", help="a Hugging Face tokenizer folder (tokenizer.json)")
     p.add_argument("-v", "--verbose", action="store_true", help="log loading details to stderr")
     return p
 
@@ -103,11 +109,26 @@ def configure_logging(verbose: bool) -> logging.Handler:
     return handler
 
 
+def build_tokenizer(args: argparse.Namespace) -> TextTokenizer | None:
+    """The tokenizer the flags name; None: the byte tokenizer (checkpoints of this project)."""
+    if (args.vocab_filename is None) != (args.merges_filename is None):
+        given, needed = ("--vocab-filename", "--merges-filename")[:: 1 if args.vocab_filename else -1]
+        raise ValueError(f"{given} needs {needed} too (GPT-2 BPE takes both files)")
+    if args.vocab_filename and args.hf_tokenizer:
+        raise ValueError("pass either --vocab-filename/--merges-filename or --hf-tokenizer, not both")
+    if args.vocab_filename:
+        return BPETokenizer.from_vocab_merges(args.vocab_filename, args.merges_filename)
+    if args.hf_tokenizer:
+        return BPETokenizer.from_hf_folder(args.hf_tokenizer)
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     cfg = generation_config_from_args(args)
     try:
         cfg.validate()
-        gen = GeneratorInterface.from_checkpoint(args.path, trust=args.trust_checkpoint)
+        tokenizer = build_tokenizer(args)
+        gen = GeneratorInterface.from_checkpoint(args.path, trust=args.trust_checkpoint, tokenizer=tokenizer)
     except (ValueError, CheckpointLoadError, InferenceLoadError) as e:
         logger.error("%s", e)
         return 2

@@ -86,6 +86,10 @@ def hf_tensors_from_checkpoint(ckpt: Mapping[str, Any], *, source: str) -> tuple
         cfg_model, state = ckpt["cfg"]["model"], ckpt["model"]
     except (KeyError, TypeError):
         raise ConversionError(f"{source}: no cfg['model'] or no 'model' weights; this is not a metaseq checkpoint") from None
+    parts = (ckpt["cfg"].get("common") or {}).get("model_parallel_size", 1)
+    if parts != 1:
+        raise ConversionError(f"{source}: one part of a model-parallel checkpoint (cfg['common'].model_parallel_size="
+                              f"{parts}) holds a slice of each weight; exporting needs the whole model in one part")
     state = {_WRAPPERS.sub(r"\1", str(k)): v for k, v in state.items()}
     config = model_config_from_cfg(cfg_model, state, source=source)
     if not is_opt_exact(config):

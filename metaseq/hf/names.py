@@ -20,7 +20,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from metaseq.hf.errors import ConversionError
-from metaseq.hf.variants import EMBED_TOKENS
+from metaseq.hf.variants import EMBED_TOKENS, FUSED_QKV_ORDER_METASEQ
 from metaseq.models.transformer_lm import ModelConfig, TransformerLanguageModel
 
 __all__ = [
@@ -32,6 +32,7 @@ __all__ = [
     "strip_hf_prefix",
     "to_hf_state_dict",
     "tie_and_version",
+    "upstream_state_for_model",
 ]
 
 OUTPUT_PROJECTION = "decoder.output_projection.weight"
@@ -118,3 +119,9 @@ def check_state_matches_model(config: ModelConfig, state: Mapping[str, Any], *, 
         if tuple(state[key].shape) != tuple(value.shape):
             raise ConversionError(f"{source}: '{key}' has shape {tuple(state[key].shape)}, "
                                   f"the model its config describes needs {tuple(value.shape)}")
+
+
+def upstream_state_for_model(state: Mapping[str, Any]) -> dict[str, Any]:
+    """Upstream metaseq's unflattened weights as our model names them: a fused `qkv_proj`
+    (K, V, Q blocks) split, and the tied head and version buffer added where the file lacks them."""
+    return tie_and_version(split_fused_qkv(state, FUSED_QKV_ORDER_METASEQ))

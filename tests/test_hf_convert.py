@@ -1,0 +1,373 @@
+"""The Hugging Face bridge end to end: convert_from_hf / convert_to_hf, logits, training, real OPT files."""
+import argparse
+import io
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoTokenizer, OPTConfig, OPTForCausalLM, pipeline
+
+from metaseq.cli import interactive_cli
+from metaseq.file_io import atomic_torch_save, load_checkpoint
+from metaseq.hf import BPETokenizer
+from metaseq.hf.fsdp_layout import fsdp_shard_metadata
+from metaseq.hub_utils import GenerationConfig, GeneratorInterface, build_inference_model
+from metaseq.models.transformer_lm import ModelConfig, build_model
+from metaseq.scripts import convert_from_hf, convert_to_hf, reshard_fsdp
+from test_hf_tokenizer import write_gpt2_files
+from training import REPO, run_train
+
+QUESTION = "what is the meaning of life?"
+SHARDS = "checkpoint_last-model_part-0-shard{i}.pt"
+ODD = dict(vocab_size=61, hidden_size=18, num_hidden_layers=2, ffn_dim=37, num_attention_heads=3,
+           max_position_embeddings=23)
+
+
+def make_hf_model(folder, *, dtype=torch.float32, seed=0, **sizes):
+    """A random OPTForCausalLM saved with save_pretrained; every tensor (LayerNorms, biases too) random."""
+    sizes = {**ODD, **sizes}
+    config = OPTConfig(word_embed_proj_dim=sizes["hidden_size"], dropout=0.0, **sizes)
+    torch.manual_seed(seed)
+    model = OPTForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+    model.to(dtype).save_pretrained(str(folder))
+    return model
+
+
+def hf_tensors(folder):
+    return load_file(os.path.join(folder, "model.safetensors"))
+
+
+def assert_same_tensors(a, b):
+    assert sorted(a) == sorted(b)
+    for key in a:
+        assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
+
+
+def assert_close_logits(ours, theirs):
+    """Within 1e-5 of the logits' scale; returns the max difference (measured figure)."""
+    diff = (ours - theirs).abs().max().item()
+    assert diff <= 1e-5 * theirs.abs().max().item(), diff
+    return diff
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hf_to_ours_to_hf_is_bit_identical(tmp_path, dtype):
+    make_hf_model(tmp_path / "hf", dtype=dtype)
+    ours = tmp_path / "reshard-model_part-0.pt"
+    assert convert_from_hf.main(["--input", str(tmp_path / "hf"), "--output-shard-name", str(ours),
+                                 "--num-output-shards", "1", "--unflatten-weights", "True", "-q"]) == 0
+    ckpt = load_checkpoint(ours)  # weights_only
+    assert ckpt["model"]["decoder.embed_tokens.weight"].dtype == dtype
+    assert ckpt["shard_metadata"] == fsdp_shard_metadata(ModelConfig.from_dict(ckpt["cfg"]["model"]))
+    assert convert_to_hf.main(["--input", str(ours), "--output", str(tmp_path / "back"), "-q"]) == 0
+    assert_same_tensors(hf_tensors(tmp_path / "hf"), hf_tensors(tmp_path / "back"))
+    config = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert config["dtype"] == str(dtype).replace("torch.", "") and config["tie_word_embeddings"] is True
+    model, info = OPTForCausalLM.from_pretrained(str(tmp_path / "back"), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+
+
+def test_hf_to_three_raw_shards_resharded_to_one_back_to_hf_is_bit_identical(tmp_path):
+    make_hf_model(tmp_path / "hf")
+    shards = str(tmp_path / "w3" / SHARDS)
+    assert convert_from_hf.main(["--input", str(tmp_path / "hf"), "--output-shard-name", shards,
+                                 "--num-output-shards", "3", "-q"]) == 0
+    files = sorted(os.listdir(tmp_path / "w3"))
+    assert files == [SHARDS.format(i=i) for i in range(3)]
+    assert "flat_param_0" in load_checkpoint(tmp_path / "w3" / files[0])["model"]
+    one = str(tmp_path / "reshard-model_part-0.pt")
+    assert reshard_fsdp.main(["--input-glob-pattern", shards.replace("{i}", "*"), "--output-shard-name", one,
+                              "--num-output-shards", "1", "--unflatten-weights", "True"]) == 0
+    for source, out in ((one, "via_reshard"), (shards.replace("{i}", "*"), "from_glob")):
+        assert convert_to_hf.main(["--input", source, "--output", str(tmp_path / out), "-q"]) == 0
+        assert_same_tensors(hf_tensors(tmp_path / "hf"), hf_tensors(tmp_path / out))
+
+
+def test_random_odd_sized_hf_opt_gives_our_model_the_same_logits(tmp_path):
+    hf_model = make_hf_model(tmp_path / "hf", seed=3)
+    ours = tmp_path / "ours.pt"
+    convert_from_hf.main(["--input", str(tmp_path / "hf"), "--output-shard-name", str(ours),
+                          "--unflatten-weights", "True", "-q"])
+    model = build_inference_model(load_checkpoint(ours), source=str(ours))
+    tokens = torch.randint(0, ODD["vocab_size"], (3, ODD["max_position_embeddings"]), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        diff = assert_close_logits(model(tokens), hf_model(tokens).logits)
+    print(f"max |logit diff| HF -> ours: {diff:.3g}")
+
+
+def test_hf_to_two_shards_one_update_at_lr_0_back_to_hf_and_real_fsdp_metadata(tmp_path):
+    """Real FSDP (metaseq.cli.train, 2 ranks) resumes the converted shards; at lr 0 the weights stay bit-identical."""
+    make_hf_model(tmp_path / "hf", vocab_size=260, max_position_embeddings=50)
+    converted = tmp_path / "converted"
+    assert convert_from_hf.main(["--input", str(tmp_path / "hf"), "--output-shard-name", str(converted / SHARDS),
+                                 "--num-output-shards", "2", "-q"]) == 0
+    trained = tmp_path / "trained"
+    proc = run_train(trained, world_size=2, max_update=1,
+                     extra=["--lr", "0", "--restore-file", str(converted / "checkpoint_last.pt")])
+    assert "no optimizer state" in proc.stderr  # Adam starts from scratch, and says so
+    served = GeneratorInterface.from_checkpoint(str(converted / "checkpoint_last.pt"))  # raw shards serve too
+    assert served.generate([QUESTION], GenerationConfig(max_new_tokens=3)) is not None
+    for rank in range(2):
+        ours = load_checkpoint(converted / SHARDS.format(i=rank))["shard_metadata"]
+        fsdp = load_checkpoint(trained / SHARDS.format(i=rank))["shard_metadata"]
+        assert ours == fsdp, rank  # names, shapes, order, padding, shared_param_info as fairscale writes them
+    assert convert_to_hf.main(["--input", str(trained / SHARDS.replace("{i}", "*")), "--output", str(tmp_path / "back"), "-q"]) == 0
+    assert_same_tensors(hf_tensors(tmp_path / "hf"), hf_tensors(tmp_path / "back"))
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """A model trained by metaseq.cli.train until it answers QUESTION, exported from its raw shard by `python -m`."""
+    save_dir = tmp_path_factory.mktemp("memorize_hf")
+    run_train(save_dir, world_size=1, max_update=150, extra=["--batch-size", "16", "--seq-len", "64", "--lr", "1e-2"])
+    out = save_dir / "hf"
+    proc = subprocess.run([sys.executable, "-m", "metaseq.scripts.convert_to_hf", "--input",
+                           str(save_dir / SHARDS.replace("{i}", "*")), "--output", str(out)],
+                          capture_output=True, text=True, cwd=REPO, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1"))
+    assert proc.returncode == 0, proc.stderr
+    return save_dir, out
+
+
+def test_trained_model_exported_to_hf_gives_hf_our_logits(exported):
+    save_dir, out = exported
+    ours = GeneratorInterface.from_checkpoint(str(save_dir / "checkpoint_last.pt")).model
+    model, info = OPTForCausalLM.from_pretrained(str(out), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    tok = AutoTokenizer.from_pretrained(str(out))
+    ids = tok(["what is the meaning of life? what do cats chase? and why reshard?"], return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        diff = assert_close_logits(ours(ids), model(ids).logits)
+    print(f"max |logit diff| trained ours -> HF: {diff:.3g}")
+
+
+def test_hf_pipeline_answers_the_demo_question_as_our_cli(exported, monkeypatch, capsys):
+    save_dir, out = exported
+    monkeypatch.setattr(sys, "stdin", io.StringIO(QUESTION + "\nwhat do cats chase?\n"))
+    assert interactive_cli.main(["--path", str(save_dir / "checkpoint_last.pt")]) == 0
+    cli_answers = capsys.readouterr().out.splitlines()
+    generator = pipeline("text-generation", model=str(out))
+    hf_answers = [generator(q, return_full_text=False)[0]["generated_text"].strip()
+                  for q in (QUESTION, "what do cats chase?")]
+    assert hf_answers == cli_answers == ["To be happy.", "Mice."]
+
+
+def _run_cli(module, argv, capsys):
+    capsys.readouterr()  # drop what came before (e.g. save_pretrained's progress bar)
+    code = module.main(argv)
+    err = capsys.readouterr().err.strip()
+    return code, err
+
+
+def _bad_config(field, value):
+    def change(folder):
+        path = folder / "config.json"
+        config = json.loads(path.read_text())
+        config[field] = value
+        path.write_text(json.dumps(config))
+    return change
+
+
+def _untie_head(folder):
+    state = hf_tensors(folder)
+    state["lm_head.weight"] = state["model.decoder.embed_tokens.weight"] + 1
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda f: (f / "config.json").unlink(), "no config.json there"),
+    (lambda f: (f / "model.safetensors").unlink(), "no weights there"),
+    (_bad_config("tie_word_embeddings", False), "tie_word_embeddings=False .*not tied"),
+    (_untie_head, "'lm_head.weight' differs from the token embedding"),
+    (_bad_config("activation_function", "gelu"), "activation_function='gelu'"),
+    (_bad_config("do_layer_norm_before", False), "do_layer_norm_before=False .*post-LayerNorm"),
+    (_bad_config("word_embed_proj_dim", 9), "word_embed_proj_dim=9 differs from hidden_size=18 .*project_in"),
+    (_bad_config("enable_bias", False), "enable_bias=False"),
+])
+def test_unsupported_hf_folders_are_refused_in_one_line_and_nothing_is_written(tmp_path, capsys, change, message):
+    make_hf_model(tmp_path / "hf")
+    change(tmp_path / "hf")
+    code, err = _run_cli(convert_from_hf, ["--input", str(tmp_path / "hf"), "--output-shard-name",
+                                           str(tmp_path / "out" / SHARDS), "--num-output-shards", "2"], capsys)
+    assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err
+    assert __import__("re").search(message, err), err
+    assert not (tmp_path / "out").exists()
+
+
+def test_output_name_and_existing_outputs_are_checked_first(tmp_path, capsys):
+    make_hf_model(tmp_path / "hf")
+    code, err = _run_cli(convert_from_hf, ["--input", str(tmp_path / "hf"), "--output-shard-name",
+                                           str(tmp_path / "x.pt"), "--num-output-shards", "2"], capsys)
+    assert code == 2 and "has no '{i}'" in err
+    (tmp_path / "back").mkdir()
+    (tmp_path / "back" / "keep.txt").write_text("mine")
+    code, err = _run_cli(convert_to_hf, ["--input", str(tmp_path / "x.pt"), "--output", str(tmp_path / "back")], capsys)
+    assert code == 2 and "exists and is not empty; pass --overwrite" in err
+    assert os.listdir(tmp_path / "back") == ["keep.txt"]
+
+
+def test_checkpoints_of_the_earlier_variant_are_refused_for_export(tmp_path, capsys):
+    make_hf_model(tmp_path / "hf", vocab_size=260)
+    ours = tmp_path / "ours.pt"
+    convert_from_hf.main(["--input", str(tmp_path / "hf"), "--output-shard-name", str(ours), "--unflatten-weights", "-q"])
+    ckpt = load_checkpoint(ours)
+    for field in ("no_scale_embedding", "position_offset"):  # as files written before the OPT-exact change
+        del ckpt["cfg"]["model"][field]
+    ckpt["model"]["decoder.embed_positions.weight"] = ckpt["model"]["decoder.embed_positions.weight"][2:].clone()
+    atomic_torch_save(ckpt, tmp_path / "old.pt")
+    old = GeneratorInterface.from_checkpoint(str(tmp_path / "old.pt"))  # still served
+    assert old.model.cfg.no_scale_embedding is False and old.model.cfg.position_offset == 0
+    code, err = _run_cli(convert_to_hf, ["--input", str(tmp_path / "old.pt"), "--output", str(tmp_path / "back")], capsys)
+    assert code == 2 and "before the OPT-exact change" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "back").exists()
+
+
+def test_sharded_safetensors_and_pytorch_bin_without_prefix_convert_alike(tmp_path):
+    make_hf_model(tmp_path / "hf")
+    state = hf_tensors(tmp_path / "hf")
+    names = sorted(state)
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    (sharded / "config.json").write_text((tmp_path / "hf" / "config.json").read_text())
+    halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file_name, keys in halves.items():
+        save_file({k[len("model."):]: state[k] for k in keys}, str(sharded / file_name), metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": {k[len("model."):]: f for f, keys in halves.items() for k in keys}}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+    binary = tmp_path / "bin"
+    binary.mkdir()
+    (binary / "config.json").write_text((tmp_path / "hf" / "config.json").read_text())
+    torch.save({**state, "lm_head.weight": state["model.decoder.embed_tokens.weight"].clone()}, binary / "pytorch_model.bin")
+    for folder in (sharded, binary):
+        out = tmp_path / f"{folder.name}.pt"
+        convert_from_hf.main(["--input", str(folder), "--output-shard-name", str(out), "--unflatten-weights", "-q"])
+        convert_to_hf.main(["--input", str(out), "--output", str(tmp_path / f"{folder.name}_back"), "-q"])
+        assert_same_tensors(state, hf_tensors(tmp_path / f"{folder.name}_back"))
+
+
+def _upstream_cfg(hf_cfg, **changes):
+    """cfg['model'] as upstream metaseq saves it for OPT: an argparse.Namespace without vocab_size."""
+    fields = dict(_name="transformer_lm_megatron", decoder_embed_dim=hf_cfg.hidden_size,
+                  decoder_input_dim=hf_cfg.hidden_size, decoder_output_dim=hf_cfg.hidden_size,
+                  decoder_layers=hf_cfg.num_hidden_layers, decoder_attention_heads=hf_cfg.num_attention_heads,
+                  decoder_ffn_embed_dim=hf_cfg.ffn_dim, max_target_positions=hf_cfg.max_position_embeddings,
+                  no_scale_embedding=True, activation_fn="relu", decoder_normalize_before=True,
+                  share_decoder_input_output_embed=True, decoder_learned_pos=True)
+    return argparse.Namespace(**{**fields, **changes})
+
+
+def write_real_opt_file(path, hf_model, **cfg_changes):
+    """A consolidated real-OPT-like file: Namespace cfg, fp16, fused qkv_proj stored K, V, Q (metaseq's order)."""
+    state = {}
+    for key, value in hf_model.state_dict().items():
+        if key == "lm_head.weight":
+            continue
+        key = key[len("model."):].replace("final_layer_norm", "layer_norm") if key.startswith("model.decoder.final_") else key[len("model."):]
+        state[key] = value.half()
+    for i in range(hf_model.config.num_hidden_layers):
+        for kind in ("weight", "bias"):
+            q, k, v = (state.pop(f"decoder.layers.{i}.self_attn.{n}_proj.{kind}") for n in "qkv")
+            state[f"decoder.layers.{i}.self_attn.qkv_proj.{kind}"] = torch.cat([k, v, q])
+    state["decoder.output_projection.weight"] = state["decoder.embed_tokens.weight"]
+    state["decoder.version"] = torch.tensor([3.0]).half()
+    cfg = {"model": _upstream_cfg(hf_model.config, **cfg_changes), "common": {"model_parallel_size": 1}}
+    atomic_torch_save({"model": state, "cfg": cfg}, path)
+
+
+@pytest.fixture(scope="module")
+def real_opt(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("real_opt")
+    vocab, merges, bpe = write_gpt2_files(folder)
+    hf_model = make_hf_model(folder / "hf_ref", vocab_size=bpe.get_vocab_size() + 5, max_position_embeddings=40, seed=5)
+    hf_model = hf_model.half().float()  # what the fp16 file holds
+    write_real_opt_file(folder / "reshard-model_part-0.pt", hf_model)
+    return folder, vocab, merges, hf_model
+
+
+def test_real_opt_file_serves_with_gpt2_bpe_like_hf_generate(real_opt, monkeypatch, capsys):
+    folder, vocab, merges, hf_model = real_opt
+    path = str(folder / "reshard-model_part-0.pt")
+    code, err = _run_cli(interactive_cli, ["--path", path], capsys)
+    assert code == 2 and "--vocab-filename" in err and "--merges-filename" in err and len(err.splitlines()) == 1
+    monkeypatch.setattr(sys, "stdin", io.StringIO("what do cats chase?\n"))
+    assert interactive_cli.main(["--path", path, "--vocab-filename", vocab, "--merges-filename", merges,
+                                 "--max-new-tokens", "12", "--no-stop-at-newline"]) == 0
+    (answer,) = capsys.readouterr().out.splitlines()
+    assert answer
+    tok = BPETokenizer.from_vocab_merges(vocab, merges)
+    prompt = torch.tensor([tok.encode("what do cats chase?")])
+    out = hf_model.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=2, pad_token_id=1,
+                            suppress_tokens=[0, 1, 3])
+    assert answer == tok.decode(out[0, prompt.size(1):].tolist()).strip()
+
+
+def test_real_opt_file_exports_with_kvq_split_and_equal_logits(real_opt, tmp_path):
+    folder, _, _, hf_model = real_opt
+    path = str(folder / "reshard-model_part-0.pt")
+    assert convert_to_hf.main(["--input", path, "--output", str(tmp_path / "hf"), "-q"]) == 0
+    state = hf_tensors(tmp_path / "hf")
+    assert state["model.decoder.layers.1.self_attn.q_proj.weight"].dtype == torch.float16
+    assert torch.equal(state["model.decoder.layers.1.self_attn.q_proj.weight"].float(),
+                       hf_model.model.decoder.layers[1].self_attn.q_proj.weight)
+    exported = OPTForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32)
+    ours = build_inference_model(load_checkpoint(path), source=path)
+    tokens = torch.randint(0, 300, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert_close_logits(ours(tokens), exported(tokens).logits)
+
+
+@pytest.mark.parametrize("change, field", [
+    (dict(decoder_input_dim=9), "decoder_input_dim=9"),
+    (dict(decoder_normalize_before=False), "decoder_normalize_before=False"),
+])
+def test_opt_350m_variant_is_refused_everywhere(real_opt, tmp_path, capsys, change, field):
+    folder, vocab, merges, hf_model = real_opt
+    path = str(tmp_path / "opt350m.pt")
+    write_real_opt_file(path, hf_model, **change)
+    for module, argv in ((interactive_cli, ["--path", path, "--vocab-filename", vocab, "--merges-filename", merges]),
+                         (convert_to_hf, ["--input", path, "--output", str(tmp_path / "hf")])):
+        code, err = _run_cli(module, argv, capsys)
+        assert code == 2 and field in err and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert not (tmp_path / "hf").exists()
+
+
+def test_our_fused_qkv_model_exports_q_k_v_blocks_with_equal_logits(tmp_path):
+    config = ModelConfig(decoder_layers=2, fused_qkv=True)
+    model = build_model(config, seed=4).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)  # LayerNorms and biases away from 1 and 0
+    ckpt = {"model": model.state_dict(), "cfg": {"model": config.to_dict()}}
+    atomic_torch_save(ckpt, tmp_path / "fused.pt")
+    assert convert_to_hf.main(["--input", str(tmp_path / "fused.pt"), "--output", str(tmp_path / "hf"), "-q"]) == 0
+    state = hf_tensors(tmp_path / "hf")
+    fused = model.decoder.layers[0].self_attn.qkv_proj.weight
+    assert torch.equal(state["model.decoder.layers.0.self_attn.q_proj.weight"], fused[:30])
+    assert torch.equal(state["model.decoder.layers.0.self_attn.v_proj.weight"], fused[60:])
+    tokens = torch.randint(4, 260, (2, 67), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert_close_logits(model(tokens), OPTForCausalLM.from_pretrained(str(tmp_path / "hf"))(tokens).logits)
+
+
+def test_model_parallel_part_is_refused_for_export(tmp_path, capsys):
+    model = build_model(ModelConfig(), seed=0)
+    ckpt = {"model": model.state_dict(), "cfg": {"model": ModelConfig().to_dict(), "common": {"model_parallel_size": 2}}}
+    atomic_torch_save(ckpt, tmp_path / "part.pt")
+    code, err = _run_cli(convert_to_hf, ["--input", str(tmp_path / "part.pt"), "--output", str(tmp_path / "hf")], capsys)
+    assert code == 2 and "model_parallel_size=2" in err and not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("module", [convert_to_hf, convert_from_hf])
+def test_help_shows_examples(module, capsys):
+    with pytest.raises(SystemExit) as info:
+        module.main(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert "examples:" in out and f"python -m metaseq.scripts.{module.__name__.rsplit('.', 1)[1]}" in out
