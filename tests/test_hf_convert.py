@@ -52,9 +52,9 @@ def assert_same_tensors(a, b):
 
 def assert_close_logits(ours, theirs):
     """Within 1e-5 of the logits' scale; returns the max difference (measured figure)."""
-    diff = (ours - theirs).abs().max().item()
-    assert diff <= 1e-5 * theirs.abs().max().item(), diff
-    return diff
+    diff, scale = (ours - theirs).abs().max().item(), theirs.abs().max().item()
+    assert diff <= 1e-5 * scale, (diff, scale)
+    return f"{diff:.3g} (logits up to {scale:.3g})"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -99,7 +99,7 @@ def test_random_odd_sized_hf_opt_gives_our_model_the_same_logits(tmp_path):
     tokens = torch.randint(0, ODD["vocab_size"], (3, ODD["max_position_embeddings"]), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         diff = assert_close_logits(model(tokens), hf_model(tokens).logits)
-    print(f"max |logit diff| HF -> ours: {diff:.3g}")
+    print(f"max |logit diff| HF -> ours: {diff}")
 
 
 def test_hf_to_two_shards_one_update_at_lr_0_back_to_hf_and_real_fsdp_metadata(tmp_path):
@@ -145,7 +145,7 @@ def test_trained_model_exported_to_hf_gives_hf_our_logits(exported):
     ids = tok(["what is the meaning of life? what do cats chase? and why reshard?"], return_tensors="pt")["input_ids"]
     with torch.no_grad():
         diff = assert_close_logits(ours(ids), model(ids).logits)
-    print(f"max |logit diff| trained ours -> HF: {diff:.3g}")
+    print(f"max |logit diff| trained ours -> HF: {diff}")
 
 
 def test_hf_pipeline_answers_the_demo_question_as_our_cli(exported, monkeypatch, capsys):
@@ -157,6 +157,9 @@ def test_hf_pipeline_answers_the_demo_question_as_our_cli(exported, monkeypatch,
     hf_answers = [generator(q, return_full_text=False)[0]["generated_text"].strip()
                   for q in (QUESTION, "what do cats chase?")]
     assert hf_answers == cli_answers == ["To be happy.", "Mice."]
+    monkeypatch.setattr(sys, "stdin", io.StringIO(QUESTION + "\n"))  # the exported tokenizer serves alike
+    assert interactive_cli.main(["--path", str(save_dir / "checkpoint_last.pt"), "--hf-tokenizer", str(out)]) == 0
+    assert capsys.readouterr().out.splitlines() == ["To be happy."]
 
 
 def _run_cli(module, argv, capsys):

@@ -33,7 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m metaseq.cli.interactive_cli",
         description="Generate completions from a consolidated checkpoint or raw FSDP shards.",
         epilog='example: echo "what is the meaning of life?" | python -m metaseq.cli.interactive_cli '
-        "--path demo_out/reshard_1/reshard-model_part-0.pt",
+        "--path demo_out/reshard_1/reshard-model_part-0.pt; a real OPT file: --path opt/reshard-model_part-0.pt "
+        "--vocab-filename gpt2-vocab.json --merges-filename gpt2-merges.txt",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--path", required=True, help="consolidated file, shard glob, or stem such as DIR/checkpoint_last.pt")
