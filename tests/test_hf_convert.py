@@ -13,7 +13,7 @@ from transformers import AutoTokenizer, OPTConfig, OPTForCausalLM, pipeline
 
 from metaseq.cli import interactive_cli
 from metaseq.file_io import atomic_torch_save, load_checkpoint
-from metaseq.hf import BPETokenizer
+from metaseq.hf import BPETokenizer, model_config_from_cfg
 from metaseq.hf.fsdp_layout import fsdp_shard_metadata
 from metaseq.hub_utils import GenerationConfig, GeneratorInterface, build_inference_model
 from metaseq.models.transformer_lm import ModelConfig, build_model
@@ -374,3 +374,15 @@ def test_help_shows_examples(module, capsys):
     assert info.value.code == 0
     out = capsys.readouterr().out
     assert "examples:" in out and f"python -m metaseq.scripts.{module.__name__.rsplit('.', 1)[1]}" in out
+
+
+def test_upstream_namespace_cfg_is_opt_exact_with_vocab_from_the_weights():
+    hf_cfg = OPTConfig(word_embed_proj_dim=ODD["hidden_size"], **ODD)
+    namespace = _upstream_cfg(hf_cfg)
+    direct = ModelConfig.from_dict(namespace)  # no traceback on a Namespace
+    assert (direct.no_scale_embedding, direct.position_offset, direct.decoder_embed_dim) == (True, 2, 18)
+    state = {"decoder.embed_tokens.weight": torch.empty(1234, 18, device="meta")}
+    config = model_config_from_cfg(namespace, state, source="opt.pt")
+    assert config.vocab_size == 1234 and config.max_target_positions == ODD["max_position_embeddings"]
+    scaled = model_config_from_cfg(_upstream_cfg(hf_cfg, no_scale_embedding=False), state, source="opt.pt")
+    assert (scaled.no_scale_embedding, scaled.position_offset) == (False, 2)

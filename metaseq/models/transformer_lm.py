@@ -15,6 +15,7 @@ FSDP has to pad its flat parameters at most world sizes.
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import hashlib
 import math
@@ -61,10 +62,15 @@ class ModelConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+    def from_dict(cls, d: dict[str, Any] | argparse.Namespace) -> "ModelConfig":
         """Unknown keys are ignored. A dict without `no_scale_embedding` is a checkpoint
         written before the OPT-exact change and gets `PRE_OPT_EXACT`; one with it but
-        without `position_offset` (upstream metaseq's cfg) gets OPT's offset 2."""
+        without `position_offset` (upstream metaseq's cfg) gets OPT's offset 2. An
+        `argparse.Namespace` is upstream metaseq's cfg (real OPT): OPT-exact unless its
+        `no_scale_embedding` says otherwise; it has no `vocab_size` (see
+        `metaseq.hf.model_config_from_cfg`, which takes it from the weights)."""
+        if isinstance(d, argparse.Namespace):
+            d = {"no_scale_embedding": True, **vars(d)}
         names = {f.name for f in dataclasses.fields(cls)}
         known = {k: v for k, v in d.items() if k in names}
         if "no_scale_embedding" not in known:
