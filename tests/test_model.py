@@ -80,3 +80,17 @@ def test_upstream_metaseq_cfg_without_position_offset_gets_opts_offset():
 def test_negative_position_offset_is_refused():
     with pytest.raises(ValueError, match="position_offset=-1"):
         build_model(ModelConfig(**TINY, position_offset=-1))
+
+
+def test_fused_qkv_checkpoint_serves_and_equals_the_separate_model():
+    """cfg["model"]["fused_qkv"] builds one qkv_proj ([q; k; v]); from one seed it is the separate model's function."""
+    fused, separate = (build_model(ModelConfig(**TINY, fused_qkv=f), seed=5).eval() for f in (True, False))
+    ckpt = {"model": fused.state_dict(), "cfg": {"model": fused.cfg.to_dict()}}
+    served = build_inference_model(ckpt, source="fused.pt")
+    assert served.decoder.layers[0].self_attn.qkv_proj.weight.shape == (18, 6)
+    assert not hasattr(served.decoder.layers[0].self_attn, "q_proj")
+    q = separate.decoder.layers[0].self_attn.q_proj.weight
+    torch.testing.assert_close(served.decoder.layers[0].self_attn.qkv_proj.weight[:6], q, rtol=0, atol=0)
+    tokens = torch.tensor([[0, 50, 7, 9, 100]])
+    with torch.no_grad():
+        torch.testing.assert_close(served(tokens), separate(tokens), rtol=0, atol=1e-6)
