@@ -174,7 +174,9 @@ def _full_part_state(model: Any, optimizer: torch.optim.Optimizer) -> dict[str, 
     """This part's full parameters, and each Adam moment unflattened by FSDP the same way.
 
     A moment is laid out (and padded) exactly like its flat parameter shard, so it is put in
-    the shard's place for one `state_dict()` call, then the weights are put back.
+    the shard's place for one `state_dict()` call, then the weights are put back. (fairscale
+    0.4.13's `gather_full_optim_state_dict` cannot be used with P > 1: it passes group ranks
+    where `broadcast_object_list` wants global ones, "Global rank 1 is not part of group".)
     """
     out = {"model": _full_state_dict(model)}
     buffers = {_clean(name) for name, _ in model.named_buffers()}
