@@ -12,20 +12,16 @@ import logging
 import sys
 from typing import Iterator
 
-from metaseq.file_io import CheckpointLoadError
-from metaseq.reshard.schema import ReshardError
+from metaseq.errors import UserError, one_line_error
 
 __all__ = ["OneLineErrorParser", "cli_logging", "one_line_error"]
 
-# Errors whose message already names the culprit and the fix.
-_SELF_EXPLAINING = (ReshardError, CheckpointLoadError, OSError)
-
 
 class OneLineErrorParser(argparse.ArgumentParser):
-    """Argument errors become one-line ReshardErrors, reported by `main()` like any other error."""
+    """Argument errors become one-line UserErrors, reported by `main()` like any other error."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        raise ReshardError(f"{message} (see --help)")
+        raise UserError(f"{message} (see --help)")
 
 
 @contextlib.contextmanager
@@ -44,9 +40,3 @@ def cli_logging(level: int = logging.INFO) -> Iterator[logging.Logger]:
         package_logger.removeHandler(handler)
         package_logger.setLevel(saved[0])
         package_logger.propagate = saved[1]
-
-
-def one_line_error(err: BaseException) -> str:
-    """The error as one line; unexpected error types keep their type name for the bug report."""
-    text = " ".join(str(err).split())
-    return text if isinstance(err, _SELF_EXPLAINING) else f"{type(err).__name__}: {text}"

@@ -1,56 +1,58 @@
-"""Checkpoint file naming and I/O shared by training, resharding and inference.
+"""Checkpoint files: their names, finding a set of shards, atomic writes and loading with torch.
 
-Only I/O lives here: no tensor math. Every writer goes through `atomic_torch_save`
-(or `atomic_output`) so that a crash never leaves a partial file at a final path.
-torch is imported by the functions that need it, not with this module: the reshard
-CLI usually runs without torch at all (see `metaseq.torchzip`).
+Only I/O lives here: no tensor math. Every writer goes through `atomic_output` (or
+`atomic_torch_save`), so a crash never leaves a partial file at a final path. torch is
+imported by the functions that need it: the reshard CLI runs without it (`metaseq.torchzip`).
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import glob
 import logging
 import os
 import re
 import tempfile
-import zipfile
+import zlib
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterator, Mapping
+from typing import Any, BinaryIO, Iterator, Sequence
+
+from metaseq.errors import CheckpointLoadError, UserError
+from metaseq.torchzip import CHUNK_BYTES, NeedsTorch, zip_records
 
 __all__ = [
     "CheckpointLoadError",
     "atomic_output",
     "atomic_torch_save",
     "check_checkpoint_crc",
+    "find_shards",
     "load_checkpoint",
-    "load_checkpoint_skeleton",
-    "skeleton",
     "natural_sort_key",
     "remove_stale_temp_files",
-    "save_to_file",
     "shard_file_name",
+    "shard_glob",
 ]
 
 logger = logging.getLogger(__name__)
 
-CRC_CHUNK_BYTES = 16 << 20
-
 # Types this project's checkpoints may contain besides tensors and builtins.
-# torch.Size (shapes in shard_metadata) is allowed by torch already.
 SAFE_GLOBALS = [argparse.Namespace]
-
 
 _UMASK = os.umask(0o022)  # read once, while importing (single-threaded): os.umask can only be read by setting it
 os.umask(_UMASK)
-
-
-class CheckpointLoadError(RuntimeError):
-    """A checkpoint file could not be read; the message names the file and the fix."""
+_PART_RE = re.compile(r"model_part-(\d+)")
+_SHARD_RE = re.compile(r"shard(\d+)")
 
 
 def shard_file_name(prefix: str, model_part: int, shard: int) -> str:
     """`checkpoint_last` -> `checkpoint_last-model_part-0-shard3.pt` (metaseq's naming)."""
     return f"{prefix}-model_part-{model_part}-shard{shard}.pt"
+
+
+def shard_glob(stem: str, model_part: int | str = 0) -> str:
+    """`DIR/checkpoint_last.pt` (or one of its shard files) -> `DIR/checkpoint_last-model_part-0-shard*.pt`."""
+    prefix = re.sub(r"(-model_part-\d+-shard\d+)?\.pt$", "", stem)
+    return f"{glob.escape(prefix)}-model_part-{model_part}-shard*.pt"
 
 
 def natural_sort_key(path: str | os.PathLike) -> list:
@@ -59,25 +61,107 @@ def natural_sort_key(path: str | os.PathLike) -> list:
     return [int(p) if p.isdigit() else p for p in parts]
 
 
-def atomic_torch_save(obj: Any, path: str | os.PathLike, *, on_write: Callable[[int], None] | None = None) -> None:
+def find_shards(pattern: str, *, flag: str = "--input-glob-pattern") -> list[str]:
+    """The files `pattern` matches, ordered by shard index; one file is returned as it is.
+
+    The index is the number after `shard` in metaseq's names, else the one number that
+    differs between the names (`out/s0.pt`, `out/s1.pt`, ...); indices must be exactly
+    0..N-1 and every file of one model part. Errors name the file and the fix (`flag`).
+    """
+    paths = sorted((p for p in glob.glob(pattern) if os.path.isfile(p)), key=natural_sort_key)
+    if not paths:
+        raise UserError(f"{flag} {pattern!r} matches no files")
+    if len(paths) == 1:
+        return paths
+    _check_one_part(paths)
+    indices = _shard_indices(paths)
+    seen: dict[int, str] = {}
+    for path, index in zip(paths, indices):
+        if index in seen:
+            raise UserError(f"shard index {index} appears twice: {seen[index]} and {path}")
+        seen[index] = path
+    missing = sorted(set(range(len(paths))) - set(seen))
+    if missing:
+        raise UserError(
+            f"shard{missing[0]} is missing: found {len(paths)} shard files ({_few(paths)}) "
+            f"but shard indices must be exactly 0..{len(paths) - 1}; check {flag}"
+        )
+    return [seen[i] for i in range(len(paths))]
+
+
+def _check_one_part(paths: Sequence[str]) -> None:
+    parts = [_last_int(_PART_RE, p) for p in paths]
+    numbered = [p for p in parts if p is not None]
+    if numbered and None in parts:
+        stray = paths[parts.index(None)]
+        raise UserError(
+            f"{stray}: not a model part's shard like {paths[parts.index(numbered[0])]}; "
+            "narrow --input-glob-pattern so that it matches only the shards"
+        )
+    if len(set(numbered)) > 1:
+        raise UserError(
+            f"inputs mix model parts {sorted(set(numbered))} ({_few(paths)}); reshard one model part "
+            "at a time, e.g. --input-glob-pattern '...-model_part-0-shard*.pt', or every part with '{j}' "
+            "in both names: '...-model_part-{j}-shard*.pt' and '...-model_part-{j}-shard{i}.pt'"
+        )
+
+
+def _shard_indices(paths: Sequence[str]) -> list[int]:
+    """`shardK` in every name, or the one number that differs between the names."""
+    indices = [_last_int(_SHARD_RE, p) for p in paths]
+    if None not in indices:
+        return indices
+    splits = [re.split(r"(\d+)", p) for p in paths]
+    shape = [part if i % 2 == 0 else "#" for i, part in enumerate(splits[0])]
+    for path, split in zip(paths, splits):
+        if [part if i % 2 == 0 else "#" for i, part in enumerate(split)] != shape:
+            odd = path if _last_int(_SHARD_RE, path) is None else paths[0]
+            raise UserError(f"{odd}: no shard index ('shardK') in its name like the other inputs; "
+                            "cannot order the inputs")
+    varying = {tuple(int(s[i]) for s in splits) for i in range(1, len(shape), 2)}
+    varying = [v for v in varying if len(set(v)) > 1]
+    if len(varying) != 1:
+        raise UserError(f"{_few(paths)}: cannot tell which number in the names is the shard index; "
+                        "name the files '...shard{i}.pt'")
+    return list(varying[0])
+
+
+def _last_int(pattern: re.Pattern, path: str) -> int | None:
+    found = pattern.findall(os.path.basename(path))
+    return int(found[-1]) if found else None
+
+
+def _few(paths: Sequence[str], limit: int = 3) -> str:
+    shown = ", ".join(paths[:limit])
+    return shown + (f", ... ({len(paths)} files)" if len(paths) > limit else "")
+
+
+def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
     """`torch.save` to a temp file in the target folder, fsync, rename, fsync the folder.
 
-    Either the final path holds the complete file or it is left untouched. The temp
-    file is `.NAME.<pid>.<random>.tmp` (hidden, never matched by a `*.pt` glob); ones
-    left by killed writers are removed first. A write error such as ENOSPC is raised
-    as that OSError (torch would report it as an opaque RuntimeError). `on_write(nbytes)`
-    is called after each write to the temp file (progress reporting).
+    Either the final path holds the complete file or it is left untouched. A write
+    error such as ENOSPC is raised as that OSError (torch reports it as an opaque RuntimeError).
     """
+    import torch
+
     with atomic_output(path) as (f, _):
-        save_to_file(obj, f, on_write)
+        writer = _WriteErrorRecorder(f)
+        try:
+            torch.save(obj, writer)
+        except RuntimeError:
+            if writer.error is not None:  # torch wraps it as "unexpected pos ..."
+                raise writer.error from None
+            raise
 
 
 @contextlib.contextmanager
 def atomic_output(path: str | os.PathLike) -> Iterator[tuple[BinaryIO, str]]:
     """Write `path` through a temp file: yields (the temp file open for reading and writing, its path).
 
-    On success the file is flushed, fsync-ed and renamed over `path`, then the folder
-    is fsync-ed; on any error the temp file is removed (see `atomic_torch_save`).
+    The temp file is `.NAME.<pid>.<random>.tmp` (hidden, never matched by a `*.pt` glob);
+    ones left by killed writers are removed first. On success the file is flushed,
+    fsync-ed and renamed over `path`, then the folder is fsync-ed; on any error the temp
+    file is removed.
     """
     path = Path(path)
     folder = path.parent  # Path("name.pt").parent is Path(".")
@@ -92,10 +176,8 @@ def atomic_output(path: str | os.PathLike) -> Iterator[tuple[BinaryIO, str]]:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-        except FileNotFoundError:
-            pass
         raise
     _fsync_dir(folder)
 
@@ -103,40 +185,19 @@ def atomic_output(path: str | os.PathLike) -> Iterator[tuple[BinaryIO, str]]:
 class _WriteErrorRecorder:
     """File wrapper for torch.save that remembers the OSError a write raised."""
 
-    def __init__(self, f: BinaryIO, on_write: Callable[[int], None] | None = None) -> None:
+    def __init__(self, f: BinaryIO) -> None:
         self.f = f
-        self.on_write = on_write
         self.error: OSError | None = None
 
     def write(self, data: bytes) -> int:
         try:
-            written = self.f.write(data)
+            return self.f.write(data)
         except OSError as e:
             self.error = e
             raise
-        if self.on_write is not None:
-            self.on_write(written)
-        return written
 
     def flush(self) -> None:
         self.f.flush()
-
-    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
-        """torch.save under `torch.serialization.skip_data` seeks over the records it leaves empty."""
-        return self.f.seek(offset, whence)
-
-
-def save_to_file(obj: Any, f: BinaryIO, on_write: Callable[[int], None] | None = None) -> None:
-    """`torch.save(obj, f)`, raising a failed write as its OSError (e.g. ENOSPC)."""
-    import torch
-
-    writer = _WriteErrorRecorder(f, on_write)
-    try:
-        torch.save(obj, writer)
-    except RuntimeError:
-        if writer.error is not None:  # torch wraps it as "unexpected pos ..."
-            raise writer.error from None
-        raise
 
 
 def remove_stale_temp_files(path: str | os.PathLike) -> list[str]:
@@ -191,15 +252,13 @@ def _fsync_dir(folder: Path) -> None:
 
 
 def load_checkpoint(path: str | os.PathLike, *, mmap: bool = False, trust: bool = False) -> dict:
-    """Load one checkpoint file safely.
+    """Load one checkpoint file with torch, safely.
 
     By default only tensors, builtins, `torch.Size` and `argparse.Namespace` are
     unpickled (`weights_only=True`). `trust=True` allows arbitrary pickles; only for
     files from a trusted source. `mmap=True` maps tensor storages from disk instead
-    of reading them, so memory is spent only on what is touched (files in torch's
-    legacy, non-zip format cannot be mapped and are read). The pickle (names, shapes,
-    metadata) is checked against its zip CRC32 first; tensor data is not (see
-    `check_checkpoint_crc`).
+    of reading them (files in torch's legacy format are read). The pickle is checked
+    against its zip CRC32 first; tensor data is not (see `check_checkpoint_crc`).
     """
     import torch
 
@@ -214,113 +273,61 @@ def load_checkpoint(path: str | os.PathLike, *, mmap: bool = False, trust: bool 
     except FileNotFoundError:
         raise CheckpointLoadError(f"{path}: no such file") from None
     except Exception as e:  # unsafe type, truncated, corrupt, not a torch file
-        if not trust and "Unsupported global" in str(e):
-            raise CheckpointLoadError(
-                f"{path}: refusing to unpickle a type outside the checkpoint format "
-                f"({_unsupported_global(e)}); if you trust this file, pass --trust-checkpoint"
-            ) from None
-        raise CheckpointLoadError(
-            f"{path}: cannot read checkpoint ({_load_error_detail(e)}); "
-            "the file is truncated, corrupt or not a torch checkpoint"
-        ) from None
+        raise _load_error(path, e, trust) from None
     if not isinstance(obj, dict):
         raise CheckpointLoadError(f"{path}: expected a dict checkpoint, found {type(obj).__name__}")
     return obj
 
 
-def load_checkpoint_skeleton(path: str | os.PathLike, *, trust: bool = False) -> dict:
-    """The checkpoint's structure without its tensor data: tensors become meta tensors.
-
-    0-dim tensors (e.g. an optimizer `step`) keep their value. Only the pickle is read
-    (the file is mmap-loaded and nothing else is touched).
-    """
-    return skeleton(load_checkpoint(path, mmap=True, trust=trust))
-
-
-def skeleton(obj: Any) -> Any:
-    """Tensors -> meta tensors (shape and dtype only), 0-dim tensors kept; containers rebuilt."""
-    import torch
-
-    if type(obj) in (str, int, float, bool, type(None), torch.Size):  # fast path: most objects are names, shapes
-        return obj
-    if torch.is_tensor(obj):
-        return obj.clone() if obj.dim() == 0 else torch.empty(obj.shape, dtype=obj.dtype, device="meta")
-    if isinstance(obj, Mapping):
-        return {k: skeleton(v) for k, v in obj.items()}
-    if type(obj) in (list, tuple):
-        return type(obj)(skeleton(v) for v in obj)
-    return obj
-
-
-def check_checkpoint_crc(path: str | os.PathLike, *, tensors: bool = True) -> int | None:
-    """Check a torch zip checkpoint's records against the CRC32s stored in its zip directory.
-
-    torch.load never checks them, so a flipped bit would go unnoticed. With `tensors`
-    every record is read (the whole file); without, only the small ones (the pickle,
-    version, byteorder), not the tensor storages `<archive>/data/<key>`. Returns the
-    number of bytes checked, or None for a file that is not a zip (torch's legacy format
-    or garbage: torch.load decides). Records written without a CRC
-    (`torch.serialization.set_crc32_options(False)` stores 0) are not checked.
-    """
-    path = str(path)
-    checked = 0
-    try:
-        with open(path, "rb") as f:
-            if f.read(4) != b"PK\x03\x04":
-                return None
-            with zipfile.ZipFile(f) as archive:
-                for info in archive.infolist():
-                    if tensors or not _STORAGE_RE.fullmatch(info.filename):
-                        checked += _check_record(archive, info)
-    except FileNotFoundError:
-        raise CheckpointLoadError(f"{path}: no such file") from None
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError, NotImplementedError) as e:
-        detail = _zip_error_detail(e)
-        raise CheckpointLoadError(f"{path}: corrupt checkpoint ({detail}); restore the file from a good copy") from None
-    return checked
-
-
-_STORAGE_RE = re.compile(r"[^/]+/data/[^/]+")
-
-
-def _check_record(archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> int:
-    """Read one record; zipfile raises BadZipFile at its end if the CRC32 differs."""
-    if info.CRC == 0:
-        return 0
-    with archive.open(info) as record:
-        while record.read(CRC_CHUNK_BYTES):
-            pass
-    return info.file_size
-
-
-def _zip_error_detail(e: BaseException) -> str:
-    text = _first_line(e)
-    crc = re.fullmatch(r"Bad CRC-32 for file '(?:[^/]*/)?(.*)'", text)
-    if crc:
-        return f"record {crc.group(1)} fails its CRC32 check"
-    if text == "File is not a zip file":
-        return "no zip directory at its end, so it is truncated"
-    if isinstance(e, UnicodeDecodeError):
-        return "a garbled record name in its zip directory"
-    return f"{type(e).__name__}: {text}" if text else type(e).__name__
-
-
-def _unsupported_global(e: BaseException) -> str:
-    match = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
-    return f"it contains {match.group(1)}" if match else "it needs arbitrary unpickling"
-
-
-def _load_error_detail(e: BaseException) -> str:
-    """Short reason: torch's weights-only errors carry a long preamble, the zip reader a C++ prefix."""
+def _load_error(path: str, e: BaseException, trust: bool) -> CheckpointLoadError:
     text = str(e)
+    found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
+    if not trust and found:
+        return CheckpointLoadError(
+            f"{path}: refusing to unpickle a type outside the checkpoint format (it contains "
+            f"{found.group(1)}); if you trust this file, pass --trust-checkpoint"
+        )
+    missing = re.search(r"No module named '([\w.]+)'", text)
+    if isinstance(e, (ModuleNotFoundError, AttributeError)) and missing:
+        return CheckpointLoadError(
+            f"{path}: it holds objects of module {missing.group(1)}, which is not installed here "
+            f"({type(e).__name__}); install it, or use a tool that carries such objects without loading them"
+        )
     if "WeightsUnpickler error:" in text:
         text = "unpickling failed: " + text.split("WeightsUnpickler error:", 1)[1].strip()
     text = re.sub(r"^\[enforce fail at [^\]]*\]\s*\.?\s*", "", text.strip())
-    first = text.splitlines()[0] if text else ""
-    first = first if len(first) <= 100 else first[:97] + "..."
-    return f"{type(e).__name__}: {first}" if first else type(e).__name__
+    first = text.splitlines()[0][:100] if text else ""
+    detail = f"{type(e).__name__}: {first}" if first else type(e).__name__
+    return CheckpointLoadError(
+        f"{path}: cannot read checkpoint ({detail}); the file is truncated, corrupt or not a torch checkpoint"
+    )
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return text[0][:160] if text else ""
+def check_checkpoint_crc(path: str | os.PathLike, *, tensors: bool = True) -> int | None:
+    """Check a torch zip checkpoint's records against the CRC32s in its zip directory.
+
+    torch.load never checks them, so a flipped bit would go unnoticed. With `tensors`
+    every record is read (the whole file); without, only the small ones (the pickle,
+    version, byteorder). Returns the number of bytes checked, or None for a file that
+    is not a zip (torch's legacy format or garbage: torch.load decides). Records written
+    without a CRC (0, as `torch.serialization.set_crc32_options(False)` leaves) are not checked.
+    """
+    path = str(path)
+    try:
+        records = zip_records(path)
+    except NeedsTorch:
+        return None
+    checked = 0
+    with open(path, "rb") as f:
+        for name, (offset, size, crc) in records.items():
+            if crc == 0 or (not tensors and name.startswith("data/")):
+                continue
+            found = 0
+            for start in range(0, size, CHUNK_BYTES):
+                found = zlib.crc32(os.pread(f.fileno(), min(CHUNK_BYTES, size - start), offset + start), found)
+            if found != crc:
+                raise CheckpointLoadError(
+                    f"{path}: corrupt checkpoint (record {name} fails its CRC32 check); restore the file from a good copy"
+                )
+            checked += size
+    return checked

@@ -1,22 +1,26 @@
 """torch's zip checkpoint format, read and written without importing torch.
 
-    obj = read_structure(path)        # tensors come back as TensorRef: where their bytes lie
-    write_checkpoint(fd, obj)         # TensorRefs written from their source bytes (copy_file_range)
+    obj, unknown = read_checkpoint(path)   # tensors come back as TensorRef: where their bytes lie
+    write_checkpoint(fd, obj)              # storages filled from their sources (copy_file_range)
 
-Importing torch takes 1.5 s or more on a small machine, about as long as copying a
-2 GB checkpoint. Resharding never computes on tensor values: it copies byte ranges.
-So the reshard tool reads each input's pickle with a restricted unpickler (the same
-globals `torch.load(weights_only=True)` allows for these files), plans on `TensorRef`s,
-and writes each output as torch's own writer would lay it out: a protocol-2 pickle
-in `archive/data.pkl`, one stored (uncompressed) zip record per storage, every record's
+Resharding never computes on tensor values: it moves byte ranges, and importing torch
+alone takes about as long as copying a 2 GB checkpoint. So each input's pickle is read
+by a restricted unpickler and each output is written as torch's own writer lays it out:
+a protocol-2 pickle in `archive/data.pkl`, one stored zip record per storage, record
 data aligned to 64 bytes (what `torch.load(mmap=True)` expects), zip64 where sizes need
-it. Tensor bytes go file to file in the kernel (`os.copy_file_range`), never through
-Python. Anything else (another global, a big-endian file, a dtype cast) raises
-`Unsupported`, and the caller uses torch (`metaseq.file_io`). Records are written with
-CRC32 0 except the small ones, as `torch.serialization.set_crc32_options(False)` does.
+it, CRC32s on the small records (and on all of them with `crc32=True`).
+
+The unpickler resolves only the format's own globals (tensor rebuilding, storage types,
+`torch.Size`, dtypes, `OrderedDict`). Any other global (a `Namespace`, a `DictConfig`,
+a class of a package this one lacks) is never imported or called: the object becomes an
+`Opaque` record of its global, arguments, state and items, and the writer pickles it
+back the same way, so a loader that has the class gets an equal object. What this
+reader cannot take (torch's legacy format, big-endian data) raises `NeedsTorch`: the
+caller loads it with torch and turns it into the same form (`from_torch`).
 """
 from __future__ import annotations
 
+import codecs
 import collections
 import contextlib
 import errno
@@ -27,33 +31,41 @@ import struct
 import zipfile
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, ClassVar, Iterable, Iterator, NamedTuple, Sequence
+
+from metaseq.errors import CheckpointLoadError
 
 __all__ = [
     "ALIGNMENT",
+    "Copy",
     "DType",
+    "NeedsTorch",
+    "Opaque",
     "Size",
     "Storage",
     "TensorRef",
-    "Unsupported",
     "copy_file_range_all",
+    "dtype_by_name",
+    "from_torch",
     "gaps",
-    "is_tensor_ref",
     "pwrite_all",
-    "read_structure",
-    "start_writeback",
+    "read_checkpoint",
+    "read_storage",
+    "to_torch",
     "write_checkpoint",
+    "zip_records",
 ]
 
 ALIGNMENT = 64  # torch aligns every record's data; mmap-loaded tensors need it
-CHUNK_BYTES = 64 << 20  # per copy call: progress and writeback granularity
+CHUNK_BYTES = 64 << 20  # per copy call: progress, casting and writeback granularity
+SMALL_BYTES = 64  # storages this small are read with the pickle (values such as `step`)
 ZIP64_LIMIT = 0xFFFFFFFF  # sizes/offsets at or above this go into zip64 extra fields
 _ZIP64_MARK = 0xFFFFFFFF  # what the classic field then says
 Report = Callable[[int], None]
 
 
-class Unsupported(Exception):
-    """This file (or output) needs torch itself: the caller falls back to torch.load / torch.save."""
+class NeedsTorch(Exception):
+    """The file is not one this module reads (legacy format, big-endian): load it with torch."""
 
 
 @dataclass(frozen=True)
@@ -86,6 +98,11 @@ _STRUCT_CODES = {"float32": "f", "float64": "d", "float16": "e", "int64": "q", "
                  "int8": "b", "uint8": "B", "bool": "?"}
 
 
+def dtype_by_name(name: str) -> DType:
+    """`"float16"` (or `"torch.float16"`) -> its DType."""
+    return _BY_NAME[name.removeprefix("torch.")]
+
+
 class Size(tuple):
     """torch.Size stand-in: a tuple that pickles as `torch.Size` again."""
 
@@ -99,27 +116,44 @@ class Size(tuple):
         return f"torch.Size({list(self)})"
 
 
+class Copy(NamedTuple):
+    """`numel` elements of `src_dtype` at byte `src_offset` of `source`, into byte `dst_offset` of a storage.
+
+    `source` is a file path or the bytes themselves; elements are cast to the storage's
+    dtype where it differs (with torch, chunk by chunk).
+    """
+
+    source: str | bytes | memoryview
+    src_offset: int
+    dst_offset: int
+    numel: int
+    src_dtype: DType
+
+
 @dataclass(eq=False)
 class Storage:
-    """`nbytes` bytes of one dtype: zeros except `pieces` (src_path, src_offset, dst_offset, nbytes)."""
+    """`nbytes` bytes of one dtype: zeros except what `copies` fill."""
 
     dtype: DType
     nbytes: int
-    pieces: list[tuple[str, int, int, int]] = field(default_factory=list)
+    copies: list[Copy] = field(default_factory=list)
 
-    @classmethod
-    def in_file(cls, path: str, offset: int, dtype: DType, nbytes: int) -> Storage:
-        return cls(dtype, nbytes, [(path, offset, 0, nbytes)] if nbytes else [])
-
-    def source_offset(self, element: int) -> tuple[str, int]:
-        """(file, byte offset) of element `element` of an input storage."""
-        path, offset, _, _ = self.pieces[0]
-        return path, offset + element * self.dtype.itemsize
+    def locate(self, element: int) -> tuple[str | bytes | memoryview, int]:
+        """(source, byte offset) of element `element` of a storage read from a file or memory."""
+        source, offset, _, _, _ = self.copies[0]
+        return source, offset + element * self.dtype.itemsize
 
 
 @dataclass(eq=False)
 class TensorRef:
-    """A tensor as torch's pickle describes it: a view (offset, shape, stride) of a storage."""
+    """A tensor as torch's pickle describes it: a view (offset, shape, stride) of a storage.
+
+    The contract, which is all that code handling checkpoints may rely on: `shape`,
+    `dtype`, `numel()`, `dim()`, `is_contiguous()`; `storage.locate(storage_offset + e)`
+    tells where element e lies; `compact()` is a copy with its own storage (torch's
+    `clone`); `value()` is the number a one-element tensor holds, from bytes the reader
+    already has (no file is opened). It does not imitate torch.Tensor beyond that.
+    """
 
     storage: Storage
     storage_offset: int
@@ -137,9 +171,6 @@ class TensorRef:
     def numel(self) -> int:
         return self.shape.numel()
 
-    def size(self) -> Size:
-        return self.shape
-
     def is_contiguous(self) -> bool:
         expected = 1
         for dim, step in zip(reversed(self.shape), reversed(self.stride)):
@@ -148,35 +179,29 @@ class TensorRef:
             expected *= dim
         return True
 
-    def clone(self) -> TensorRef:
-        """A compact copy with its own storage (as `torch.Tensor.clone`)."""
-        if not self.is_contiguous() or not self.storage.pieces and self.numel():
-            raise Unsupported("clone of a non-contiguous tensor")
-        nbytes = self.numel() * self.dtype.itemsize
-        path, offset = self.storage.source_offset(self.storage_offset) if nbytes else ("", 0)
-        return TensorRef(Storage.in_file(path, offset, self.dtype, nbytes), 0, self.shape, _contiguous(self.shape))
+    def compact(self, shape: Sequence[int] | None = None) -> TensorRef:
+        """A contiguous copy (of `shape`, default the same) with a storage of just its elements."""
+        if not self.is_contiguous():
+            raise ValueError("compact() of a non-contiguous tensor")
+        out = TensorRef.empty(self.shape if shape is None else shape, self.dtype)
+        if self.numel():
+            source, offset = self.storage.locate(self.storage_offset)
+            out.storage.copies.append(Copy(source, offset, 0, self.numel(), self.dtype))
+        return out
 
-    def squeeze(self) -> TensorRef:
-        """The same storage without size-1 dimensions (as `torch.Tensor.squeeze`)."""
-        kept = [(d, s) for d, s in zip(self.shape, self.stride) if d != 1]
-        return TensorRef(self.storage, self.storage_offset, Size(d for d, _ in kept), tuple(s for _, s in kept),
-                         self.requires_grad)
-
-    def item(self) -> int | float | bool:
-        """The value of a one-element tensor, read from its file (as `torch.Tensor.item`)."""
-        if self.numel() != 1 or not self.storage.pieces:
-            raise Unsupported("item() of a tensor that is not one stored element")
-        path, offset = self.storage.source_offset(self.storage_offset)
-        with open(path, "rb") as f:
-            f.seek(offset)
-            data = f.read(self.dtype.itemsize)
+    def value(self) -> int | float | bool:
+        """The number a one-element tensor holds."""
+        source, offset = self.storage.locate(self.storage_offset) if self.numel() == 1 else ("", 0)
+        if isinstance(source, str):
+            raise ValueError("value() of a tensor whose bytes were not read")
+        data = bytes(source[offset : offset + self.dtype.itemsize])
         if self.dtype.name == "bfloat16":  # the upper half of a float32
             return struct.unpack("<f", b"\0\0" + data)[0]
         return struct.unpack("<" + _STRUCT_CODES[self.dtype.name], data)[0]
 
     @classmethod
     def empty(cls, shape: Sequence[int], dtype: DType) -> TensorRef:
-        """A new compact tensor of zeros; add `storage.pieces` to fill it."""
+        """A new compact tensor of zeros; add `storage.copies` to fill it."""
         shape = Size(shape)
         return cls(Storage(dtype, shape.numel() * dtype.itemsize), 0, shape, _contiguous(shape))
 
@@ -189,31 +214,143 @@ def _contiguous(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def is_tensor_ref(value: Any) -> bool:
-    return type(value) is TensorRef
+_NO_STATE = object()
 
 
-def dtype_by_name(name: str) -> DType:
-    return _BY_NAME[name]
+class Opaque:
+    """An object of a global the reader does not resolve, kept as its pickle built it.
+
+    One subclass per global and file (`module`, `qualname`); the class itself stands for
+    the global where a pickle uses it as a value. An instance holds the `args` of the
+    REDUCE (`called`) or NEWOBJ that made it, the `state` BUILD gave it, and the `items`
+    and `entries` APPENDS and SETITEMS added. Nothing of the original class runs.
+    """
+
+    module: ClassVar[str] = ""
+    qualname: ClassVar[str] = ""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Opaque:
+        if kwargs:
+            raise NeedsTorch(f"{cls.module}.{cls.qualname} made with keyword arguments")
+        obj = object.__new__(cls)
+        obj.args, obj.called, obj.state, obj.items, obj.entries = args, False, _NO_STATE, [], []
+        return obj
+
+    def __init__(self, *args: Any) -> None:
+        self.called = True  # a REDUCE calls the class; a NEWOBJ only makes the object
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+    def append(self, item: Any) -> None:
+        self.items.append(item)
+
+    def extend(self, items: Iterable[Any]) -> None:
+        self.items.extend(items)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self.entries.append((key, value))
+
+    @property
+    def has_state(self) -> bool:
+        return self.state is not _NO_STATE
+
+    def __repr__(self) -> str:
+        return f"<{self.module}.{self.qualname} (carried, not loaded)>"
+
+
+def opaque_class(module: str, qualname: str) -> type[Opaque]:
+    """A fresh stand-in class for the global `module.qualname`."""
+    return type(qualname.rsplit(".", 1)[-1], (Opaque,), {"module": module, "qualname": qualname})
 
 
 # ---------------------------------------------------------------------------------------------
 # Reading
 
 
+class Record(NamedTuple):
+    offset: int  # of the data in the file
+    size: int
+    crc: int  # as the zip directory says; 0 when the writer stored none
+
+
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, ..., file name length, extra field length
+
+
+def zip_records(path: str) -> dict[str, Record]:
+    """Every record of a torch zip checkpoint, by name without the archive folder (`data.pkl`, `data/0`).
+
+    Raises NeedsTorch for a file that is not a zip (torch's legacy format, or not a
+    checkpoint at all) and CheckpointLoadError for a damaged one.
+    """
+    try:
+        with open(path, "rb") as f:
+            if f.read(4) != b"PK\x03\x04":
+                raise NeedsTorch("not a zip file")
+            file_size = os.fstat(f.fileno()).st_size
+            with zipfile.ZipFile(f) as archive:
+                return _records(f, archive.infolist(), file_size, path)
+    except FileNotFoundError:
+        raise CheckpointLoadError(f"{path}: no such file") from None
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError, NotImplementedError,
+            struct.error) as e:
+        raise corrupt(path, e) from None
+
+
+def _records(f: Any, infos: list[zipfile.ZipInfo], file_size: int, path: str) -> dict[str, Record]:
+    if not infos or "/" not in infos[0].filename:
+        raise NeedsTorch("a zip file but not a torch checkpoint")
+    prefix = infos[0].filename.split("/", 1)[0] + "/"
+    records = {}
+    for info in infos:
+        if not info.filename.startswith(prefix) or info.compress_type != zipfile.ZIP_STORED:
+            raise NeedsTorch(f"record {info.filename} is compressed or outside {prefix}")
+        f.seek(info.header_offset)
+        signature, name_len, extra_len = _LOCAL_HEADER.unpack(f.read(_LOCAL_HEADER.size))
+        if signature != b"PK\x03\x04":
+            raise zipfile.BadZipFile(f"bad local header of {info.filename}")
+        start = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
+        if start + info.file_size > file_size:
+            raise zipfile.BadZipFile(f"record {info.filename} runs past the end of the file")
+        records[info.filename[len(prefix):]] = Record(start, info.file_size, info.CRC)
+    return records
+
+
+def corrupt(path: str, error: BaseException) -> CheckpointLoadError:
+    """The one-line error for a damaged zip checkpoint."""
+    text = str(error).strip().splitlines()[0][:160] if str(error).strip() else ""
+    if text.startswith("Bad CRC-32 for file "):
+        detail = f"record {text.split(chr(39))[1].split('/', 1)[-1]} fails its CRC32 check"
+    elif text == "File is not a zip file":
+        detail = "no zip directory at its end, so it is truncated"
+    elif isinstance(error, UnicodeDecodeError):
+        detail = "a garbled record name in its zip directory"
+    else:
+        detail = f"{type(error).__name__}: {text}" if text else type(error).__name__
+    return CheckpointLoadError(f"{path}: corrupt checkpoint ({detail}); restore the file from a good copy")
+
+
+def _read_small(fd: int, path: str, records: dict[str, Record], name: str) -> bytes:
+    """A small record's bytes, checked against its CRC32."""
+    offset, size, crc = records[name]
+    data = os.pread(fd, size, offset)
+    if len(data) != size or (crc and zlib.crc32(data) != crc):
+        raise CheckpointLoadError(
+            f"{path}: corrupt checkpoint (record {name} fails its CRC32 check); restore the file from a good copy"
+        )
+    return data
 
 
 def _rebuild_tensor(storage: Storage, storage_offset: int, size: tuple, stride: tuple, requires_grad: bool,
                     backward_hooks: Any, metadata: Any = None) -> TensorRef:
     if backward_hooks or metadata:
-        raise Unsupported("tensor with hooks or metadata")
+        raise NeedsTorch("tensor with hooks or metadata")
     if storage_offset < 0 or any(d < 0 for d in size) or any(s < 0 for s in stride) or len(size) != len(stride):
-        raise Unsupported("tensor with a negative offset, size or stride")
+        raise pickle.UnpicklingError("tensor with a negative offset, size or stride")
     ref = TensorRef(storage, storage_offset, Size(size), tuple(stride), bool(requires_grad))
     last = storage_offset + sum((d - 1) * s for d, s in zip(size, stride)) if ref.numel() else -1
     if last >= storage.nbytes // storage.dtype.itemsize:
-        raise Unsupported("tensor beyond its storage")
+        raise pickle.UnpicklingError("tensor beyond its storage")
     return ref
 
 
@@ -222,12 +359,13 @@ class _StorageTag:
         self.dtype = dtype
 
 
-# The only globals a pickle may name. Each lookup returns a fresh object: BUILD can set
+# The globals a pickle may have resolved. Each lookup returns a fresh object: BUILD can set
 # attributes on what a pickle names, and it must not reach anything shared with other files.
 _GLOBALS: dict[tuple[str, str], Callable[[], Any]] = {
     ("collections", "OrderedDict"): lambda: collections.OrderedDict,  # a class: BUILD cannot change it
     ("torch._utils", "_rebuild_tensor_v2"): lambda: lambda *args: _rebuild_tensor(*args),
     ("torch", "Size"): lambda: Size,
+    ("_codecs", "encode"): lambda: lambda text, encoding="utf-8": codecs.encode(text, encoding),  # bytes
 }
 _GLOBALS.update({("torch", d.storage): (lambda d=d: _StorageTag(d)) for d in _DTYPES})
 _GLOBALS.update({("torch", d.name): (lambda d=d: DType(d.name, d.itemsize, d.is_floating_point, d.storage))
@@ -235,106 +373,199 @@ _GLOBALS.update({("torch", d.name): (lambda d=d: DType(d.name, d.itemsize, d.is_
 
 
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, data: bytes, records: dict[str, tuple[int, int]], path: str) -> None:
+    def __init__(self, data: bytes, records: dict[str, Record], path: str, fd: int) -> None:
         super().__init__(io.BytesIO(data))
-        self.records, self.path = records, path
+        self.records, self.path, self.fd = records, path, fd
         self.storages: dict[str, Storage] = {}
+        self.opaque: dict[tuple[str, str], type[Opaque]] = {}
 
     def find_class(self, module: str, name: str) -> Any:
-        try:
-            make = _GLOBALS[(module, name)]
-        except KeyError:
-            raise Unsupported(f"global {module}.{name}") from None
-        return make()
+        make = _GLOBALS.get((module, name))
+        if make is not None:
+            return make()
+        if (module, name) not in self.opaque:
+            self.opaque[(module, name)] = opaque_class(module, name)
+        return self.opaque[(module, name)]
 
     def persistent_load(self, pid: Any) -> Storage:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], _StorageTag)):
-            raise Unsupported(f"persistent id {pid!r:.60}")
+            raise pickle.UnpicklingError(f"persistent id {pid!r:.60}")
         _, tag, key, _location, numel = pid  # location (e.g. cuda:0) dropped: cpu, as map_location="cpu" does
         if key not in self.storages:
-            offset, size = self.records.get(f"data/{key}", (-1, -1))
+            offset, size, _ = self.records.get(f"data/{key}", (-1, -1, 0))
             if size != numel * tag.dtype.itemsize:
-                raise Unsupported(f"storage {key}: record of {size} bytes for {numel} elements")
-            self.storages[key] = Storage.in_file(self.path, offset, tag.dtype, size)
+                raise pickle.UnpicklingError(f"storage {key}: record of {size} bytes for {numel} elements")
+            source: str | bytes = self.path
+            if 0 < size <= SMALL_BYTES:  # small values (e.g. `step`) are read now: value() needs no file
+                source, offset = _read_small(self.fd, self.path, self.records, f"data/{key}"), 0
+            storage = Storage(tag.dtype, size)
+            if size:
+                storage.copies.append(Copy(source, offset, 0, numel, tag.dtype))
+            self.storages[key] = storage
         return self.storages[key]
 
 
-def _zip_records(path: str) -> tuple[dict[str, tuple[int, int]], bytes]:
-    """{record name without the archive folder: (data offset, size)} and the pickle's bytes."""
-    records: dict[str, tuple[int, int]] = {}
-    pkl = b""
-    try:
-        with open(path, "rb") as f, zipfile.ZipFile(f) as archive:
-            file_size = os.fstat(f.fileno()).st_size
-            infos = archive.infolist()
-            if not infos or "/" not in infos[0].filename:
-                raise Unsupported("not a torch zip checkpoint")
-            prefix = infos[0].filename.split("/", 1)[0] + "/"
-            for info in infos:
-                if not info.filename.startswith(prefix) or info.compress_type != zipfile.ZIP_STORED:
-                    raise Unsupported(f"record {info.filename}")
-                f.seek(info.header_offset)
-                signature, name_len, extra_len = _LOCAL_HEADER.unpack(f.read(_LOCAL_HEADER.size))
-                if signature != b"PK\x03\x04":
-                    raise Unsupported("bad local header")
-                start = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
-                if start + info.file_size > file_size:
-                    raise Unsupported(f"record {info.filename} runs past the end of the file")
-                name = info.filename[len(prefix):]
-                records[name] = (start, info.file_size)
-                if name in ("data.pkl", "byteorder"):
-                    f.seek(start)
-                    data = f.read(info.file_size)
-                    if len(data) != info.file_size or (info.CRC and zlib.crc32(data) != info.CRC):
-                        raise Unsupported(f"record {name} damaged")
-                    if name == "byteorder" and data != b"little":
-                        raise Unsupported("big-endian file")
-                    pkl = data if name == "data.pkl" else pkl
-    except Unsupported:
-        raise
-    except Exception as e:  # noqa: BLE001 -- damaged zip (zipfile raises many kinds): torch.load reports it
-        raise Unsupported(f"{type(e).__name__}: {e}") from None
-    if "data.pkl" not in records:
-        raise Unsupported("no data.pkl")
-    return records, pkl
+def read_checkpoint(path: str) -> tuple[Any, list[str]]:
+    """The checkpoint's object with `TensorRef`s for tensors, and the globals it keeps as `Opaque`.
 
-
-def read_structure(path: str) -> Any:
-    """The checkpoint's object, with `TensorRef`s for tensors; reads only the pickle and zip directory.
-
-    Raises Unsupported for anything `write_checkpoint` could not write back the way torch would.
+    Reads the zip directory, the pickle and storages of at most SMALL_BYTES; no tensor
+    data. Raises NeedsTorch (see the module docstring) or CheckpointLoadError.
     """
-    records, pkl = _zip_records(path)
-    try:
-        obj = _Unpickler(pkl, records, path).load()
-    except Unsupported:
-        raise
-    except Exception as e:  # noqa: BLE001 -- damaged pickle: torch.load gives the proper error
-        raise Unsupported(f"pickle: {e}") from None
-    _check_writable(obj)
+    records = zip_records(path)
+    if "data.pkl" not in records:
+        raise NeedsTorch("no data.pkl record")
+    with open(path, "rb") as f:
+        if "byteorder" in records and _read_small(f.fileno(), path, records, "byteorder") != b"little":
+            raise NeedsTorch("big-endian file")
+        unpickler = _Unpickler(_read_small(f.fileno(), path, records, "data.pkl"), records, path, f.fileno())
+        try:
+            obj = unpickler.load()
+        except (NeedsTorch, CheckpointLoadError):
+            raise
+        except Exception as e:  # noqa: BLE001 -- a pickle the zip CRC32 did not catch (or saved without one)
+            raise CheckpointLoadError(
+                f"{path}: cannot read checkpoint (unpickling failed: {type(e).__name__}: {str(e)[:100]}); "
+                "the file is truncated, corrupt or not a torch checkpoint"
+            ) from None
+    return obj, sorted(f"{m}.{n}" for m, n in unpickler.opaque)
+
+
+def read_storage(storage: Storage) -> bytearray:
+    """A storage's bytes in memory: its copies read (and cast), zeros elsewhere."""
+    out = bytearray(storage.nbytes)
+    view = memoryview(out)
+    for copy in storage.copies:
+        end = copy.dst_offset + copy.numel * storage.dtype.itemsize
+        if copy.src_dtype == storage.dtype and isinstance(copy.source, str):
+            with open(copy.source, "rb") as f:  # straight into the buffer: no second copy in memory
+                if os.preadv(f.fileno(), [view[copy.dst_offset : end]], copy.src_offset) != end - copy.dst_offset:
+                    raise OSError(errno.EIO, f"{copy.source} ended early (changed while reading?)")
+            continue
+        data = _source_bytes(copy, 0, copy.numel)
+        view[copy.dst_offset : end] = data if copy.src_dtype == storage.dtype else _cast(data, copy.src_dtype, storage.dtype)
+    return out
+
+
+def _source_bytes(copy: Copy, first: int, count: int) -> bytes | memoryview:
+    """Elements [first, first + count) of a copy's source."""
+    size = copy.src_dtype.itemsize
+    start = copy.src_offset + first * size
+    if not isinstance(copy.source, str):
+        return memoryview(copy.source)[start : start + count * size]
+    with open(copy.source, "rb") as f:
+        data = os.pread(f.fileno(), count * size, start)
+    if len(data) != count * size:
+        raise OSError(errno.EIO, f"{copy.source} ended early (changed while resharding?)")
+    return data
+
+
+def _cast(data: bytes | memoryview, src: DType, dst: DType) -> bytes:
+    import torch  # only casting needs it
+
+    values = torch.frombuffer(bytearray(data), dtype=getattr(torch, src.name))
+    return values.to(getattr(torch, dst.name)).view(torch.uint8).numpy().tobytes()
+
+
+def from_torch(obj: Any, *, opaque: bool = True) -> Any:
+    """What `read_checkpoint` would give for `obj` as `torch.load` returned it (tensors in memory).
+
+    Tensors become TensorRefs over their own bytes; objects of other types become Opaque
+    records of what pickling them would write, or with `opaque=False` stay as they are
+    (for callers that keep the result in memory).
+    """
+    return _Converter(opaque).convert(obj)
+
+
+def to_torch(obj: Any, storages: dict[int, Any] | None = None) -> Any:
+    """`obj` with torch tensors for its TensorRefs (read from their sources; shared storages stay shared)."""
+    import torch
+
+    storages = {} if storages is None else storages  # Storage id -> its bytes as a flat torch tensor
+    if type(obj) is TensorRef:
+        dtype = getattr(torch, obj.dtype.name)
+        if id(obj.storage) not in storages:
+            data = read_storage(obj.storage)
+            storages[id(obj.storage)] = torch.frombuffer(data, dtype=dtype) if data else torch.empty(0, dtype=dtype)
+        return storages[id(obj.storage)].as_strided(obj.shape, obj.stride, obj.storage_offset)
+    if type(obj) in (dict, collections.OrderedDict):
+        return type(obj)((k, to_torch(v, storages)) for k, v in obj.items())
+    if type(obj) in (list, tuple):
+        return type(obj)(to_torch(v, storages) for v in obj)
     return obj
 
 
-_LEAVES = (str, int, float, bool, type(None), DType, Size, TensorRef)
+class _Converter:
+    def __init__(self, opaque: bool) -> None:
+        self.opaque = opaque
+        self.memo: dict[int, Any] = {}
+        self.storages: dict[Any, Storage] = {}
+        self.keep: list[Any] = []  # converted originals stay alive, so their id() stays unique
+        self.classes: dict[tuple[str, str], type[Opaque]] = {}
 
+    def convert(self, obj: Any) -> Any:
+        import torch
 
-def _check_writable(obj: Any, depth: int = 0) -> None:
-    if depth > 200:
-        raise Unsupported("nested too deep")
-    kind = type(obj)
-    if kind in _LEAVES:
-        return
-    if kind in (dict, collections.OrderedDict):
-        if kind is collections.OrderedDict and vars(obj):
-            _check_writable(vars(obj), depth + 1)
-        for key, value in obj.items():
-            _check_writable(key, depth + 1)
-            _check_writable(value, depth + 1)
-    elif kind in (list, tuple):
-        for value in obj:
-            _check_writable(value, depth + 1)
-    else:
-        raise Unsupported(f"object of type {kind.__name__}")
+        if type(obj) in (str, int, float, bool, bytes, type(None)):
+            return obj
+        if id(obj) in self.memo:
+            return self.memo[id(obj)]
+        self.keep.append(obj)
+        if torch.is_tensor(obj):
+            out = self._tensor(obj)
+        elif isinstance(obj, torch.dtype):
+            out = dtype_by_name(str(obj))
+        elif isinstance(obj, torch.Size):
+            out = Size(obj)
+        elif type(obj) in (dict, collections.OrderedDict):
+            out = self.memo[id(obj)] = type(obj)()
+            out.update((self.convert(k), self.convert(v)) for k, v in obj.items())
+            if getattr(obj, "__dict__", None):
+                out.__dict__.update(self.convert(dict(vars(obj))))
+        elif type(obj) in (list, tuple):
+            out = self.memo[id(obj)] = [] if type(obj) is list else None
+            items = [self.convert(v) for v in obj]
+            out = out.__iadd__(items) if out is not None else tuple(items)
+        elif not self.opaque:
+            out = obj
+        elif isinstance(obj, type) or callable(obj) and hasattr(obj, "__qualname__"):
+            out = self._class(obj.__module__, obj.__qualname__)
+        else:
+            out = self._object(obj)
+        self.memo[id(obj)] = out
+        return out
+
+    def _class(self, module: str, qualname: str) -> type[Opaque]:
+        return self.classes.setdefault((module, qualname), opaque_class(module, qualname))
+
+    def _tensor(self, t: Any) -> TensorRef:
+        import torch
+
+        raw = t.untyped_storage()
+        dtype = dtype_by_name(str(t.dtype))
+        key = (raw.data_ptr(), dtype.name) if raw.nbytes() else id(t)  # empty storages all sit at address 0
+        storage = self.storages.get(key)
+        if storage is None:
+            storage = self.storages[key] = Storage(dtype, raw.nbytes())
+            if raw.nbytes():
+                data = torch.empty(0, dtype=torch.uint8).set_(raw.cpu()).numpy().data
+                storage.copies.append(Copy(data, 0, 0, raw.nbytes() // dtype.itemsize, dtype))
+        return TensorRef(storage, t.storage_offset(), Size(t.shape), tuple(t.stride()), t.requires_grad)
+
+    def _object(self, obj: Any) -> Opaque:
+        reduced = obj.__reduce_ex__(2)
+        if isinstance(reduced, str):  # a module-level singleton, pickled by name
+            return self._class(type(obj).__module__, reduced)
+        func, args, state, items, entries = (tuple(reduced) + (None,) * 5)[:5]
+        newobj = getattr(func, "__name__", "") == "__newobj__"
+        cls = args[0] if newobj else func
+        out = Opaque.__new__(self._class(cls.__module__, cls.__qualname__))
+        self.memo[id(obj)] = out
+        out.args, out.called = tuple(self.convert(a) for a in (args[1:] if newobj else args)), not newobj
+        if state is not None:
+            out.state = self.convert(state)
+        out.items = [self.convert(i) for i in items or ()]
+        out.entries = [(self.convert(k), self.convert(v)) for k, v in entries or ()]
+        return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -342,11 +573,11 @@ def _check_writable(obj: Any, depth: int = 0) -> None:
 
 
 class _Pickler:
-    """Protocol-2 pickle of dicts, lists, tuples, scalars, Size, DType and TensorRef, as torch.save writes it.
+    """Protocol-2 pickle of what `read_checkpoint` returns, as torch.save writes it.
 
     Tensors refer to storages by persistent id ('storage', torch.<X>Storage, key, 'cpu', numel);
-    keys "0", "1", ... in order of first use. Dicts, lists and tensors are memoized, so shared
-    objects (tied weights) stay shared on load.
+    keys "0", "1", ... in order of first use. Dicts, lists, tensors and Opaque objects are
+    memoized, so shared objects (tied weights) stay shared on load.
     """
 
     def __init__(self) -> None:
@@ -389,8 +620,20 @@ class _Pickler:
         elif kind is str:
             data = obj.encode("utf-8", "surrogatepass")
             self.out += b"X" + struct.pack("<I", len(data)) + data
+        elif kind is bytes:  # protocol 2 has no bytes opcode: pickle writes _codecs.encode(latin-1 text)
+            self._global("_codecs", "encode")
+            self._tuple((obj.decode("latin-1"), "latin1"))
+            self.out += b"R"
         elif kind is tuple:
             self._tuple(obj)
+        elif kind is Size:
+            self._global("torch", "Size")
+            self._tuple((tuple(obj),))
+            self.out += b"R"
+        elif kind is DType:
+            self._global("torch", obj.name)
+        elif isinstance(obj, type) and issubclass(obj, Opaque):
+            self._global(obj.module, obj.qualname)
         elif self._get(obj):
             return
         elif kind in (dict, collections.OrderedDict):
@@ -399,16 +642,12 @@ class _Pickler:
             self.out += b"]"
             self._memoize(obj)
             self._items(obj, b"e")
-        elif kind is Size:
-            self._global("torch", "Size")
-            self._tuple((tuple(obj),))
-            self.out += b"R"
-        elif kind is DType:
-            self._global("torch", obj.name)
         elif kind is TensorRef:
             self._tensor(obj)
+        elif isinstance(obj, Opaque):
+            self._opaque(obj)
         else:
-            raise Unsupported(f"cannot write a {kind.__name__}")
+            raise TypeError(f"cannot write a {kind.__name__} into a checkpoint")
 
     def _int(self, value: int) -> None:
         if 0 <= value < 256:
@@ -442,6 +681,15 @@ class _Pickler:
                 self._save(item)
             self.out += opcode
 
+    def _entries(self, entries: Iterable[tuple[Any, Any]]) -> None:
+        entries = list(entries)
+        if entries:
+            self.out += b"("
+            for key, value in entries:
+                self._save(key)
+                self._save(value)
+            self.out += b"u"
+
     def _dict(self, obj: dict) -> None:
         ordered = type(obj) is collections.OrderedDict
         if ordered:
@@ -450,14 +698,20 @@ class _Pickler:
         else:
             self.out += b"}"
         self._memoize(obj)
-        if obj:
-            self.out += b"("
-            for key, value in obj.items():
-                self._save(key)
-                self._save(value)
-            self.out += b"u"
+        self._entries(obj.items())
         if ordered and vars(obj):  # e.g. a state dict's `_metadata`
             self._save(dict(vars(obj)))
+            self.out += b"b"
+
+    def _opaque(self, obj: Opaque) -> None:
+        self._save(type(obj))
+        self._tuple(tuple(obj.args))
+        self.out += b"R" if obj.called else b"\x81"  # REDUCE, or NEWOBJ
+        self._memoize(obj)
+        self._items(obj.items, b"e")
+        self._entries(obj.entries)
+        if obj.has_state:
+            self._save(obj.state)
             self.out += b"b"
 
     def _tensor(self, ref: TensorRef) -> None:
@@ -487,40 +741,39 @@ class _Pickler:
 
 
 @dataclass
-class _Record:
-    name: str
+class _Entry:
+    name: bytes
     size: int
     data: bytes | None = None  # small records; storages are copied in
     storage: Storage | None = None
     crc: int = 0
     header_offset: int = 0
     data_offset: int = 0
-    local_header: bytes = b""
 
 
-def _local_header(record: _Record, name: bytes) -> bytes:
+def _local_header(entry: _Entry) -> bytes:
     """Local file header + extra fields, padded so the data starts at a multiple of ALIGNMENT."""
-    zip64 = record.size >= ZIP64_LIMIT
-    extra = struct.pack("<HHQQ", 1, 16, record.size, record.size) if zip64 else b""
-    sizes = (_ZIP64_MARK, _ZIP64_MARK) if zip64 else (record.size, record.size)
-    fixed = 30 + len(name) + len(extra) + 4  # + the padding field's own header
-    pad = -(record.header_offset + fixed) % ALIGNMENT
+    zip64 = entry.size >= ZIP64_LIMIT
+    extra = struct.pack("<HHQQ", 1, 16, entry.size, entry.size) if zip64 else b""
+    sizes = (_ZIP64_MARK, _ZIP64_MARK) if zip64 else (entry.size, entry.size)
+    fixed = 30 + len(entry.name) + len(extra) + 4  # + the padding field's own header
+    pad = -(entry.header_offset + fixed) % ALIGNMENT
     extra += struct.pack("<HH", 0x4246, pad) + b"Z" * pad  # "FB": torch's padding field
-    head = struct.pack("<4sHHHHHIIIHH", b"PK\x03\x04", 45 if zip64 else 20, 0, 0, 0, 33, record.crc, *sizes,
-                       len(name), len(extra))
-    return head + name + extra
+    head = struct.pack("<4sHHHHHIIIHH", b"PK\x03\x04", 45 if zip64 else 20, 0, 0, 0, 33, entry.crc, *sizes,
+                       len(entry.name), len(extra))
+    return head + entry.name + extra
 
 
-def _central_entry(record: _Record, name: bytes) -> bytes:
-    values = [record.size, record.size, record.header_offset]
+def _central_entry(entry: _Entry) -> bytes:
+    values = [entry.size, entry.size, entry.header_offset]
     big = [v >= ZIP64_LIMIT for v in values]
     extra = b"".join(struct.pack("<Q", v) for v, b in zip(values, big) if b)
     if extra:
         extra = struct.pack("<HH", 1, len(extra)) + extra
     shown = [_ZIP64_MARK if b else v for v, b in zip(values, big)]
     version = 45 if extra else 20
-    return struct.pack("<4sHHHHHHIIIHHHHHII", b"PK\x01\x02", version, version, 0, 0, 0, 33, record.crc,
-                       shown[0], shown[1], len(name), len(extra), 0, 0, 0, 0, shown[2]) + name + extra
+    return struct.pack("<4sHHHHHHIIIHHHHHII", b"PK\x01\x02", version, version, 0, 0, 0, 33, entry.crc,
+                       shown[0], shown[1], len(entry.name), len(extra), 0, 0, 0, 0, shown[2]) + entry.name + extra
 
 
 def _end_records(count: int, cd_offset: int, cd_size: int) -> bytes:
@@ -532,56 +785,89 @@ def _end_records(count: int, cd_offset: int, cd_size: int) -> bytes:
     return out + struct.pack("<4sHHHHIIH", b"PK\x05\x06", 0, 0, small[0], small[0], small[1], small[2], 0)
 
 
-def _records(obj: Any, archive: str) -> list[_Record]:
+def _entries(obj: Any, archive: str) -> list[_Entry]:
     pickler = _Pickler()
     pkl = pickler.dump(obj)
-    small = lambda name, data: _Record(f"{archive}/{name}", len(data), data, crc=zlib.crc32(data))  # noqa: E731
-    records = [small("data.pkl", pkl), small(".format_version", b"1"),
+
+    def small(name: str, data: bytes) -> _Entry:
+        return _Entry(f"{archive}/{name}".encode(), len(data), data, crc=zlib.crc32(data))
+
+    entries = [small("data.pkl", pkl), small(".format_version", b"1"),
                small(".storage_alignment", str(ALIGNMENT).encode()), small("byteorder", b"little")]
     for key, storage in pickler.storages.values():
-        records.append(_Record(f"{archive}/data/{key}", storage.nbytes, storage=storage))
+        entries.append(_Entry(f"{archive}/data/{key}".encode(), storage.nbytes, storage=storage))
     serialization_id = str(int.from_bytes(os.urandom(16), "little")).zfill(40)[:40].encode()
-    records += [small("version", b"3\n"), small(".data/serialization_id", serialization_id)]
-    return records
+    return entries + [small("version", b"3\n"), small(".data/serialization_id", serialization_id)]
 
 
-def write_checkpoint(fd: int, obj: Any, *, archive: str = "archive", report: Report | None = None) -> int:
+def write_checkpoint(fd: int, obj: Any, *, archive: str = "archive", crc32: bool = False,
+                     report: Report | None = None) -> int:
     """Write `obj` as a torch checkpoint to the empty file `fd`; returns the file size.
 
-    Every storage is filled from its pieces with `copy_file_range`; bytes no piece covers are zeros.
-    The copies go input file by input file, in file order: one input is open at a time (a
-    checkpoint may have a thousand shards) and each is read front to back. `report(nbytes)`
-    is called as storage bytes are copied.
+    Storages are filled from their copies: `copy_file_range` from files (input by input,
+    in file order: one input open at a time, read front to back), cast chunk by chunk
+    where the dtype changes; bytes no copy covers are zeros. Storage records get CRC32s
+    only with `crc32` (read back once written; torch never checks them). `report(nbytes)`
+    is called as storage bytes are written.
     """
-    records = _records(obj, archive)
+    entries = _entries(obj, archive)
     offset = 0
-    for record in records:
-        record.header_offset = offset
-        record.local_header = _local_header(record, record.name.encode())
-        record.data_offset = offset + len(record.local_header)
-        offset = record.data_offset + record.size
-    cd = b"".join(_central_entry(r, r.name.encode()) for r in records)
-    copies: dict[str, list[tuple[int, int, int]]] = {}  # source file: (src offset, dst offset, nbytes)
-    for record in records:
-        pwrite_all(fd, record.local_header, record.header_offset)
-        if record.data is not None:
-            pwrite_all(fd, record.data, record.data_offset)
+    for entry in entries:
+        entry.header_offset = offset
+        entry.data_offset = offset + len(_local_header(entry))
+        offset = entry.data_offset + entry.size
+    by_source: dict[str, list[tuple[int, int, Copy, DType]]] = {}  # file: (src offset, dst offset, copy, dtype)
+    for entry in entries:
+        if entry.data is not None:
+            pwrite_all(fd, entry.data, entry.data_offset)
             continue
-        spans = ((dst_offset, nbytes) for _, _, dst_offset, nbytes in record.storage.pieces)
-        for start, nbytes in gaps(spans, record.storage.nbytes):  # padding
-            _write_zeros(fd, record.data_offset + start, nbytes)
-        for src_path, src_offset, dst_offset, nbytes in record.storage.pieces:
-            copies.setdefault(src_path, []).append((src_offset, record.data_offset + dst_offset, nbytes))
-    for src_path, ranges in copies.items():
-        src = os.open(src_path, os.O_RDONLY)
+        storage = entry.storage
+        spans = ((c.dst_offset, c.numel * storage.dtype.itemsize) for c in storage.copies)
+        for start, nbytes in gaps(spans, storage.nbytes):  # padding
+            _write_zeros(fd, entry.data_offset + start, nbytes)
+        for copy in storage.copies:
+            if isinstance(copy.source, str):
+                by_source.setdefault(copy.source, []).append((copy.src_offset, entry.data_offset, copy, storage.dtype))
+            else:
+                _copy_chunks(copy, -1, fd, entry.data_offset, storage.dtype, report)
+    for path, copies in by_source.items():
+        src = os.open(path, os.O_RDONLY)
         try:
-            for src_offset, dst_offset, nbytes in sorted(ranges):
-                copy_file_range_all(src, fd, nbytes, src_offset, dst_offset, report)
+            for _, base, copy, dtype in sorted(copies, key=lambda c: c[0]):
+                _copy_chunks(copy, src, fd, base, dtype, report)
         finally:
             os.close(src)
-    tail = cd + _end_records(len(records), offset, len(cd))
+    if crc32:
+        for entry in (e for e in entries if e.storage is not None):
+            entry.crc = _crc_of(fd, entry.data_offset, entry.size)
+    for entry in entries:
+        pwrite_all(fd, _local_header(entry), entry.header_offset)
+    cd = b"".join(_central_entry(e) for e in entries)
+    tail = cd + _end_records(len(entries), offset, len(cd))
     pwrite_all(fd, tail, offset)
     return offset + len(tail)
+
+
+def _copy_chunks(copy: Copy, src: int, fd: int, base: int, dtype: DType, report: Report | None) -> None:
+    """One copy into the storage whose data starts at byte `base` of `fd`; `src` is its open file, if any."""
+    dst = base + copy.dst_offset
+    if copy.src_dtype == dtype and src >= 0:
+        copy_file_range_all(src, fd, copy.numel * dtype.itemsize, copy.src_offset, dst, report)
+        return
+    step = CHUNK_BYTES // max(copy.src_dtype.itemsize, dtype.itemsize)
+    for first in range(0, copy.numel, step):
+        count = min(step, copy.numel - first)
+        data = _source_bytes(copy, first, count)
+        if copy.src_dtype != dtype:
+            data = _cast(data, copy.src_dtype, dtype)
+        pwrite_all(fd, data, dst + first * dtype.itemsize, report)
+
+
+def _crc_of(fd: int, offset: int, size: int) -> int:
+    crc = 0
+    for start in range(0, size, CHUNK_BYTES):
+        crc = zlib.crc32(os.pread(fd, min(CHUNK_BYTES, size - start), offset + start), crc)
+    return crc
 
 
 def gaps(spans: Iterable[tuple[int, int]], total: int) -> Iterator[tuple[int, int]]:
@@ -609,7 +895,7 @@ def pwrite_all(fd: int, data: bytes | memoryview, offset: int, report: Report | 
     pos = 0
     while pos < len(view):
         n = os.pwrite(fd, view[pos : pos + CHUNK_BYTES], offset + pos)
-        start_writeback(fd, offset + pos, n)
+        _start_writeback(fd, offset + pos, n)
         pos += n
         if report is not None:
             report(n)
@@ -633,7 +919,7 @@ def copy_file_range_all(src: int, dst: int, nbytes: int, src_offset: int, dst_of
                     raise
                 use_kernel = False
             else:
-                start_writeback(dst, dst_offset, n)
+                _start_writeback(dst, dst_offset, n)
         if not use_kernel:
             data = os.pread(src, step, src_offset)
             pwrite_all(dst, data, dst_offset)
@@ -645,7 +931,7 @@ def copy_file_range_all(src: int, dst: int, nbytes: int, src_offset: int, dst_of
         nbytes, src_offset, dst_offset = nbytes - n, src_offset + n, dst_offset + n
 
 
-def start_writeback(fd: int, offset: int, length: int) -> None:
+def _start_writeback(fd: int, offset: int, length: int) -> None:
     """Have the kernel start writing these bytes to disk now, so the final fsync finds little left.
 
     On Linux, POSIX_FADV_DONTNEED on dirty pages starts their writeback without waiting

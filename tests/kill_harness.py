@@ -3,8 +3,8 @@
     python tests/kill_harness.py POINT K <reshard_fsdp arguments...>
 
 POINT is where the process kills itself with a real SIGKILL (no cleanup runs):
-  bytes    once K bytes in all have gone to temp files (mid-file), through torch.save or
-           the direct writer's os.pwrite / os.copy_file_range;
+  bytes    once K bytes in all have gone to temp files (mid-file), through the writer's
+           os.pwrite / os.copy_file_range;
   replace  just before the K-th rename of a complete temp file onto its output (K from 1);
   renamed  just after the K-th rename, before its folder is fsynced.
 The hooks patch this process only; the tool itself has no test hooks.
@@ -15,8 +15,7 @@ import os
 import signal
 import sys
 
-import metaseq.file_io as file_io
-from metaseq.scripts.reshard_fsdp import build_parser, main
+from metaseq.scripts.reshard_fsdp import main
 
 
 def _die() -> None:
@@ -26,19 +25,7 @@ def _die() -> None:
 def _install(point: str, k: int) -> None:
     counter = {"n": 0}
     if point == "bytes":
-        write = file_io._WriteErrorRecorder.write
-
-        def counting_write(self: file_io._WriteErrorRecorder, data: bytes) -> int:
-            room = k - counter["n"]
-            if len(data) >= room:
-                self.f.write(bytes(data)[:room])
-                self.f.flush()
-                _die()
-            counter["n"] += len(data)
-            return write(self, data)
-
-        file_io._WriteErrorRecorder.write = counting_write
-        _count_direct_writes(k, counter)
+        _count_writes(k, counter)
     elif point in ("replace", "renamed"):
         replace = os.replace
 
@@ -55,8 +42,8 @@ def _install(point: str, k: int) -> None:
         raise SystemExit(f"unknown kill point {point!r}")
 
 
-def _count_direct_writes(k: int, counter: dict[str, int]) -> None:
-    """The same budget for the writes of `metaseq.torchzip` (no torch.save there)."""
+def _count_writes(k: int, counter: dict[str, int]) -> None:
+    """Die once the writes of `metaseq.torchzip` have put K bytes into files."""
     pwrite, copy_range = os.pwrite, os.copy_file_range
 
     def counting_pwrite(fd: int, data, offset: int) -> int:
@@ -80,13 +67,6 @@ def _count_direct_writes(k: int, counter: dict[str, int]) -> None:
     os.pwrite, os.copy_file_range = counting_pwrite, counting_copy_range
 
 
-def _in_this_process(argv: list[str]) -> list[str]:
-    """The hooks live in this process: keep the writing here, not in worker processes."""
-    if "--num-workers" in build_parser()._option_string_actions and "--num-workers" not in argv:
-        return [*argv, "--num-workers", "1"]
-    return argv
-
-
 if __name__ == "__main__":
     _install(sys.argv[1], int(sys.argv[2]))
-    sys.exit(main(_in_this_process(sys.argv[3:])))
+    sys.exit(main([*sys.argv[3:], "--num-workers", "1"]))  # one output at a time: kill points are reproducible

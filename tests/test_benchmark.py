@@ -135,7 +135,8 @@ def test_scenarios_parse_and_reject_bad_items():
 def test_memory_bound_counts_output_shard_largest_flat_and_slack():
     config = synth.model_config_for_width(8, layers=1)
     numels = [layout.numel for layout in synth.flat_layouts(config)]
-    assert numels == [8 * (16 * 8 + 7) + 8 * (2 * 8 + 5) + 2 * 8, 12 * 8 * 8 + 19 * 8 + 3]
+    # root: embeddings (vocab 16*8+7, positions 2*8+5 plus OPT's 2 offset rows) and the final norm
+    assert numels == [8 * (16 * 8 + 7) + 8 * (2 * 8 + 5 + 2) + 2 * 8, 12 * 8 * 8 + 19 * 8 + 3]
     shard = 3 * 4 * sum(-(-n // 3) for n in numels)  # param + two moments, ceil(n / 3) per rank
     assert runner.memory_bound(config, runner.Scenario(2, 3)) == shard + 4 * max(numels) + 256 * 2**20
     assert runner.memory_bound(config, runner.Scenario(2, 1, True)) == 3 * 4 * sum(numels) + 256 * 2**20

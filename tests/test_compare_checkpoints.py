@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from metaseq.reshard import compare
+from metaseq.benchmark.measure import run_measured
 from metaseq.reshard.compare import tensor_difference
 from metaseq.scripts.compare_checkpoints import main
 from metaseq.scripts.reshard_fsdp import main as reshard_main
@@ -132,18 +132,16 @@ def test_errors_are_one_line_with_exit_2(ckpts: Path, tmp_path: Path, capsys, ar
     assert captured.err.count("\n") == 1 and captured.err.startswith("ERROR: ") and words in captured.err
 
 
-def test_reads_one_tensor_at_a_time(ckpts: Path, tmp_path: Path, capsys, monkeypatch) -> None:
-    sizes = []
-    materialize = compare.materialize_targets
-
-    def recording(targets, fetch):
-        sizes.append(len(targets))
-        return materialize(targets, fetch)
-
-    monkeypatch.setattr(compare, "materialize_targets", recording)
-    _reshard(ckpts, tmp_path / "u.pt", "--unflatten-weights")
-    assert _compare(capsys, _glob(ckpts), str(tmp_path / "u.pt"))[0] == 0
-    assert sizes and set(sizes) == {1}
+def test_memory_is_about_one_parameter_per_side_not_the_model(tmp_path: Path) -> None:
+    """8 parameters of 16 MiB per side: comparing holds one pair at a time, not 256 MiB of model."""
+    big = (("", tuple((f"decoder.w{i}", (1024, 4096)) for i in range(8)), ()),)
+    write_shards(make_shards(make_model(instances=big, buffers={}), 2, optimizer=False), tmp_path / "ckpts")
+    _reshard(tmp_path / "ckpts", tmp_path / "u.pt", "--unflatten-weights")
+    base = run_measured([sys.executable, "-c", "import metaseq.scripts.compare_checkpoints"], interval=0.01)
+    run = run_measured([sys.executable, "-m", "metaseq.scripts.compare_checkpoints", _glob(tmp_path / "ckpts"),
+                        str(tmp_path / "u.pt")], interval=0.01)
+    assert run.returncode == 0, run.stderr_tail
+    assert run.peak_anon - base.peak_anon < 96 << 20, (run.peak_anon >> 20, base.peak_anon >> 20)
 
 
 @pytest.mark.parametrize(

@@ -13,15 +13,13 @@ from typing import Any
 import pytest
 import torch
 
+from metaseq.errors import ReshardError
 from metaseq.file_io import load_checkpoint
-from metaseq.reshard import direct, locate, parallel, stream
+from metaseq.reshard import ReshardOptions, plan_reshard, reshard_shards
 from metaseq.reshard.distributed import World, detect_world, first_slurm_host
-from metaseq.reshard.launch import expand_model_parts
-from metaseq.reshard.locate import locate_tensors, map_located
-from metaseq.reshard.parallel import OutputJob, default_num_workers, estimated_peak, held_bytes, memory_bound
+from metaseq.reshard.plan import expand_model_parts
 from metaseq.reshard.progress import Progress, make_progress
-from metaseq.reshard.ranges import resolve_path
-from metaseq.reshard.schema import ReshardError
+from metaseq.reshard.write import list_jobs, write_outputs
 from metaseq.scripts.reshard_fsdp import main
 from synthetic import assert_tree_equal, make_model, make_shards, write_shards
 
@@ -66,12 +64,11 @@ def _torchrun(args: list[str], nproc: int = 2) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.parametrize("io", [[], ["--torch-io"]], ids=["threads-copying", "torch-processes"])
-def test_two_workers_write_the_same_files_as_one(parts_dir: Path, tmp_path: Path, io: list[str]) -> None:
+def test_two_workers_write_the_same_files_as_one(parts_dir: Path, tmp_path: Path) -> None:
     for workers in ("1", "2"):
         out = tmp_path / f"w{workers}" / "shard{i}.pt"
         assert main(["--input", _pattern(parts_dir), "--output", str(out), "--num-output-shards", "3",
-                     "--num-workers", workers, "--quiet", *io]) == 0
+                     "--num-workers", workers, "--quiet"]) == 0
     _assert_same_files(tmp_path / "w2", tmp_path / "w1")
     assert len(list((tmp_path / "w1").iterdir())) == 3
 
@@ -105,13 +102,12 @@ def test_model_part_placeholder_must_be_in_both_names(inp: str, out: str, flag: 
         expand_model_parts(inp, out)
 
 
-@pytest.mark.parametrize("io", [[], ["--torch-io"]], ids=["threads-copying", "torch-processes"])
-def test_worker_error_is_one_line_and_leaves_no_output(parts_dir: Path, tmp_path: Path, capsys, io) -> None:
+def test_worker_error_is_one_line_and_leaves_no_output(parts_dir: Path, tmp_path: Path, capsys) -> None:
     out = tmp_path / "out"
     out.mkdir()
     (out / "1").write_text("a file where output 1's folder should be")
     argv = ["--input", _pattern(parts_dir), "--output", str(out / "{i}" / "shard.pt"), "--num-output-shards", "3",
-            "--num-workers", "2", *io]
+            "--num-workers", "2"]
     assert main(argv) == 2
     assert f"{out / '1' / 'shard.pt'}: cannot write" in _error_line(capsys.readouterr().err)
     assert [p.name for p in out.rglob("*") if p.is_file()] == ["1"]  # outputs 0 and 2 removed, no temp files
@@ -126,11 +122,6 @@ def test_progress_is_plain_lines_when_stderr_is_not_a_terminal(parts_dir: Path, 
     assert main(["--input", _pattern(parts_dir), "--output", str(out), "--num-output-shards", "2",
                  "--overwrite", "--quiet"]) == 0
     assert capsys.readouterr().err == ""
-
-
-def _record(results: list, value: Any) -> Any:
-    results.append(value)
-    return value
 
 
 class _Terminal(io.StringIO):
@@ -152,66 +143,39 @@ def test_progress_is_a_bar_with_rate_on_a_terminal() -> None:
     assert make_progress(1, 1, quiet=True, stream=_Terminal()).mode == "off"
 
 
-def test_inputs_are_unpickled_once_and_opened_about_once(tmp_path: Path, monkeypatch) -> None:
-    write_shards(make_shards(make_model(), 16), tmp_path / "many")
-    write_shards(make_shards(make_model(), 1), tmp_path / "one")
-    unpickled: list[str] = []
-    mapped: list[str] = []
-    real_load, real_map = parallel.load_checkpoint, locate.map_located
-    monkeypatch.setattr(parallel, "load_checkpoint", lambda path, **kw: unpickled.append(path) or real_load(path, **kw))
-    monkeypatch.setattr(locate, "map_located", lambda located: mapped.append(located.path) or real_map(located))
-
-    def run(inputs: Path, num_outputs: int) -> tuple[int, int]:
-        unpickled.clear()
-        mapped.clear()
-        out = tmp_path / f"{inputs.name}-{num_outputs}" / "s{i}.pt"
-        assert main(["--input", _pattern(inputs), "--output", str(out), "--num-output-shards", str(num_outputs),
-                     "--num-workers", "1", "--quiet", "--torch-io"]) == 0
-        return len(unpickled), len(mapped)
-
-    # Writing unpickles rank 0 only (its other keys are carried); the planner located every other tensor.
-    assert run(tmp_path / "one", 32) == (1, 0)  # 1 -> 32: the input stays open for every output
-    assert run(tmp_path / "many", 1) == (1, 13)  # 16 -> 1: inputs 1..13 hold data (14, 15: padding only)
-    assert len(set(mapped)) == len(mapped)
-    _, opened = run(tmp_path / "many", 5)
-    assert opened <= 16 + 2 * 5  # linear in N + M, where reopening per output would be N x M = 80
+BIG = (("", (("decoder.embed_tokens.weight", (40, 16)),), (("decoder.embed_tokens.weight", "decoder.output_projection.weight"),)),
+       ("decoder.layers.0", (("fc1.weight", (48, 16)),), ()))  # storages above 64 bytes: read while writing
 
 
-def test_direct_inputs_are_read_once_while_planning_and_never_while_writing(tmp_path: Path, monkeypatch) -> None:
-    write_shards(make_shards(make_model(), 16), tmp_path / "many")
-    read: list[str] = []
-    real_read = direct.read_structure
-    monkeypatch.setattr(direct, "read_structure", lambda path: read.append(path) or real_read(path))
-    monkeypatch.setattr(parallel, "load_checkpoint", lambda *a, **kw: pytest.fail("torch.load while writing"))
-    out = tmp_path / "out" / "s{i}.pt"
-    assert main(["--input", _pattern(tmp_path / "many"), "--output", str(out), "--num-output-shards", "5",
-                 "--quiet"]) == 0
-    assert sorted(read) == sorted(str(p) for p in (tmp_path / "many").iterdir())
-    assert len(list((tmp_path / "out").iterdir())) == 5
+def test_writing_reads_inputs_by_copying_bytes_never_by_unpickling(tmp_path: Path, monkeypatch) -> None:
+    """Pickles are read once, while planning; writing opens an input once per output that needs it."""
+    write_shards(make_shards(make_model(instances=BIG), 16), tmp_path / "many")
+    inputs = {str(p) for p in (tmp_path / "many").iterdir()}
+    plans = plan_reshard(ReshardOptions(input_glob_pattern=_pattern(tmp_path / "many"),
+                                        output_shard_name=str(tmp_path / "out" / "s{i}.pt"), num_output_shards=5))
+    opened: list[str] = []
+    real_open, real_os_open = open, os.open
+
+    def no_reading(path: Any, *args: Any, **kwargs: Any) -> Any:
+        assert str(path) not in inputs, f"{path} read again while writing"
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", no_reading)
+    monkeypatch.setattr(os, "open", lambda path, *a, **kw: opened.append(str(path)) or real_os_open(path, *a, **kw))
+    assert len(write_outputs(list_jobs(plans))) == 5
+    needed = sum(len({run.input for t in out.tensors for run in t.runs}) for out in plans[0].outputs)
+    assert 16 <= len([p for p in opened if p in inputs]) <= needed <= 16 + 2 * 5  # not N x M = 80
 
 
-def _fake_plan(flat_numel: int) -> types.SimpleNamespace:
-    model = types.SimpleNamespace(flat_params=[types.SimpleNamespace(numel=flat_numel)], dtypes=[torch.float32])
-    options = types.SimpleNamespace(unflatten=False)
-    return types.SimpleNamespace(options=options, source=types.SimpleNamespace(model=model), trust_checkpoint=False,
-                                 direct=())
-
-
-@pytest.mark.parametrize("flat_mib, output_mib, num_jobs, cpus, checksums, expected", [
-    (1, 1, 16, 8, False, 1),  # small model: a second process alone costs more than the bound's slack
-    (4096, 32, 1024, 8, False, 8),  # a 4 GiB flat parameter leaves room for 8 workers of 32 MiB outputs
-    (4096, 32, 1024, 3, False, 3),  # ... but no more than the CPUs
-    (4096, 32, 96, 8, False, 1),  # ... and 3 GiB of outputs do not pay for starting workers
-    (4096, 1024, 16, 8, True, 4),  # in memory: 320 + 4 x (160 + 1024) MiB <= 1024 + 4096 + 256 MiB
-    (1, 1024, 16, 8, True, 1),  # a 1 GiB output built in memory: one process only
-    (1, 1024, 16, 8, False, 4),  # ... but streamed, a writer holds 64 MiB: 320 + 4 x 224 <= 1024 + 1 + 256
-])
-def test_default_workers_stay_within_the_memory_bound(flat_mib, output_mib, num_jobs, cpus, checksums, expected):
-    plans = [_fake_plan(flat_mib * 2**20 // 4)]
-    jobs = [OutputJob(i, 0, i, f"o{i}.pt", output_mib * 2**20) for i in range(num_jobs)]
-    workers = default_num_workers(plans, jobs, cpus=cpus, checksums=checksums)
-    assert workers == expected
-    assert estimated_peak(workers, held_bytes(plans, jobs, checksums)) <= memory_bound(plans, jobs)
+def test_inputs_changed_after_planning_are_refused(tmp_path: Path) -> None:
+    write_shards(make_shards(make_model(), 2), tmp_path / "in")
+    options = ReshardOptions(input_glob_pattern=_pattern(tmp_path / "in"), output_shard_name=str(tmp_path / "o.pt"))
+    plans = plan_reshard(options)
+    path = plans[0].inputs[1].path
+    os.utime(path, ns=(plans[0].inputs[1].mtime_ns + 10**9,) * 2)
+    with pytest.raises(ReshardError, match=f"{path} changed while resharding"):
+        write_outputs(list_jobs(plans))
+    assert not (tmp_path / "o.pt").exists()
 
 
 def test_progress_totals_count_each_output_once() -> None:
@@ -263,82 +227,49 @@ def test_torchrun_failure_on_one_rank_fails_every_rank_and_removes_outputs(parts
     assert [p.name for p in out.rglob("*") if p.is_file()] == ["1"]  # rank 0's output removed
 
 
-def test_located_tensors_map_to_the_same_values_as_loading(tmp_path: Path) -> None:
-    path = write_shards(make_shards(make_model(), 3), tmp_path)[1]
-    loaded = load_checkpoint(path, mmap=True)
-    located = locate_tensors(loaded, str(path))
-    assert located is not None and ("model", "decoder.layers.0.flat_param_0") in located.tensors
-    mapped = map_located(located)
-    for key in located.tensors:
-        assert_tree_equal(resolve_path(mapped, key), resolve_path(loaded, key), str(key))
-
-
-def test_unlocatable_files_fall_back_and_changed_files_are_refused(tmp_path: Path) -> None:
-    legacy = tmp_path / "legacy.pt"
-    torch.save(make_shards(make_model(), 1)[0], legacy, _use_new_zipfile_serialization=False)
-    assert locate_tensors(load_checkpoint(legacy, mmap=True), str(legacy)) is None  # not a zip: load instead
-    path = write_shards(make_shards(make_model(), 2), tmp_path / "zip")[1]
-    located = locate_tensors(load_checkpoint(path, mmap=True), str(path))
-    os.utime(path, ns=(located.mtime_ns + 10**9, located.mtime_ns + 10**9))
-    with pytest.raises(ReshardError, match="changed while resharding"):
-        map_located(located)
-
-
 @pytest.mark.parametrize("flags", [
-    ["--num-output-shards", "3"],
-    ["--num-output-shards", "1", "--unflatten-weights"],  # tied parameters, consolidated optimizer state
-    ["--num-output-shards", "2", "--output-dtype", "bf16", "--drop-metaseq-req"],  # cast through the buffer
-    ["--num-output-shards", "5", "--skip-optimizer-state"],
+    {"num_output_shards": 3},
+    {"unflatten_weights": True},  # tied parameters, consolidated optimizer state
+    {"num_output_shards": 2, "output_dtype": "bf16", "drop_metaseq_req": True},  # cast while copying
+    {"num_output_shards": 5, "skip_optimizer_state": True},
 ])
-def test_streamed_outputs_equal_outputs_built_in_memory(parts_dir, tmp_path, monkeypatch, flags) -> None:
-    shards = make_shards(make_model(), 4)
+def test_written_files_equal_the_in_memory_reshard(tmp_path: Path, flags: dict) -> None:
+    shards = make_shards(make_model(instances=BIG), 4)
     shards[0]["extra_state"]["rng"] = torch.arange(6, dtype=torch.int64)  # a carried tensor
     write_shards(shards, tmp_path / "in")
-    argv = ["--input", _pattern(tmp_path / "in"), "--num-workers", "1", "--quiet", *flags]
-    assert main([*argv, "--torch-io", "--output", str(tmp_path / "memory" / "s{i}.pt")]) == 0
-    assert main([*argv, "--output", str(tmp_path / "direct" / "s{i}.pt")]) == 0  # without torch where it can
-    sizes: list[int | None] = []
-    real_stream = stream.stream_output_shard
-    monkeypatch.setattr(parallel, "STREAM_MIN_BYTES", 0)
-    monkeypatch.setattr(stream, "stream_output_shard", lambda *a, **kw: _record(sizes, real_stream(*a, **kw)))
-    assert main([*argv, "--torch-io", "--output", str(tmp_path / "streamed" / "s{i}.pt")]) == 0
-    assert len(sizes) == len(list((tmp_path / "memory").iterdir())) and None not in sizes  # all streamed
-    _assert_same_files(tmp_path / "streamed", tmp_path / "memory")
-    _assert_same_files(tmp_path / "direct", tmp_path / "memory")
-    if "--unflatten-weights" in flags:
-        model = load_checkpoint(tmp_path / "streamed" / "s0.pt")["model"]
-        assert model["decoder.output_projection.weight"] is model["decoder.embed_tokens.weight"]
+    argv = ["--input", _pattern(tmp_path / "in"), "--output", str(tmp_path / "out" / "s{i}.pt"), "--quiet"]
+    argv += [f"--{k.replace('_', '-')}" + ("" if v is True else f"={v}") for k, v in flags.items()]
+    assert main(argv) == 0
+    want = reshard_shards(shards, **flags)
+    got = [load_checkpoint(tmp_path / "out" / f"s{r}.pt") for r in range(len(want))]
+    assert_tree_equal(got, want)
+    if "unflatten_weights" in flags:
+        assert got[0]["model"]["decoder.output_projection.weight"] is got[0]["model"]["decoder.embed_tokens.weight"]
 
 
-def test_unstreamable_structure_falls_back_to_building_in_memory(tmp_path: Path, monkeypatch) -> None:
+def test_tensor_inside_an_object_is_carried(tmp_path: Path) -> None:
     shards = make_shards(make_model(), 2)
     shards[0]["extra_state"]["custom"] = types.SimpleNamespace(t=torch.ones(3))  # a tensor inside an object
     write_shards(shards, tmp_path / "in")
-    sizes: list[int | None] = []
-    real_stream = stream.stream_output_shard
-    monkeypatch.setattr(parallel, "STREAM_MIN_BYTES", 0)
-    monkeypatch.setattr(stream, "stream_output_shard", lambda *a, **kw: _record(sizes, real_stream(*a, **kw)))
     out = tmp_path / "out" / "s{i}.pt"
     assert main(["--input", _pattern(tmp_path / "in"), "--output", str(out), "--num-output-shards", "2",
                  "--trust-checkpoint", "--quiet"]) == 0
-    assert sizes == [None, None]  # tried, could not locate the tensor inside the object
     got = load_checkpoint(tmp_path / "out" / "s1.pt", trust=True)
     assert torch.equal(got["extra_state"]["custom"].t, torch.ones(3))
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["s0.pt", "s1.pt"]  # no temp file left
 
 
 def test_sigterm_while_writing_removes_outputs_and_reports_one_line(parts_dir, tmp_path, monkeypatch, capsys) -> None:
-    real_write = parallel.write_direct_output
+    real_replace = os.replace
     saved: list[str] = []
 
-    def write_then_terminated(source, options, rank, inputs, path, **kwargs):
-        size = real_write(source, options, rank, inputs, path, **kwargs)
-        saved.append(str(path))
+    def replace_then_terminated(src: str, dst: str) -> None:
+        real_replace(src, dst)
+        saved.append(str(dst))
         if len(saved) == 2:  # e.g. torchrun stopping this rank because another one failed
             os.kill(os.getpid(), signal.SIGTERM)
-        return size
 
-    monkeypatch.setattr(parallel, "write_direct_output", write_then_terminated)
+    monkeypatch.setattr(os, "replace", replace_then_terminated)
     handler_before = signal.getsignal(signal.SIGTERM)
     out = tmp_path / "out" / "s{i}.pt"
     assert main(["--input", _pattern(parts_dir), "--output", str(out), "--num-output-shards", "4",
@@ -361,7 +292,5 @@ def test_many_inputs_need_few_open_files(tmp_path: Path) -> None:
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    want = main(["--input", _pattern(tmp_path / "in"), "--output", str(tmp_path / "ref" / "s{i}.pt"),
-                 "--num-output-shards", "2", "--quiet", "--torch-io"])
-    assert want == 0
-    _assert_same_files(tmp_path / "out", tmp_path / "ref")
+    want = reshard_shards(make_shards(make_model(), 100), num_output_shards=2)
+    assert_tree_equal([load_checkpoint(tmp_path / "out" / f"s{r}.pt") for r in range(2)], want)

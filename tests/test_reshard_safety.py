@@ -10,6 +10,7 @@ import hashlib
 import io
 import os
 import re
+import resource
 import signal
 import struct
 import subprocess
@@ -21,9 +22,7 @@ from typing import Any, Iterator
 import pytest
 import torch
 
-import metaseq.file_io as file_io
 from metaseq.file_io import atomic_torch_save, load_checkpoint
-from metaseq.reshard import parallel
 from metaseq.scripts.reshard_fsdp import main
 from synthetic import assert_tree_equal, make_model, make_shards, write_shards
 
@@ -147,8 +146,12 @@ def test_failed_save_keeps_the_previous_file_and_leaves_no_temp(tmp_path: Path) 
 
 
 @pytest.fixture
-def small_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """A 128 KiB tmpfs where this process may mount one (root); else writes fail with ENOSPC past 128 KiB."""
+def small_disk(tmp_path: Path) -> Iterator[tuple[Path, Any]]:
+    """A 128 KiB tmpfs where this process may mount one (root); else a 128 KiB file size limit.
+
+    Yields the folder and a `preexec_fn` for the subprocess that writes there: writes past
+    128 KiB then fail for real, with ENOSPC (tmpfs) or EFBIG (the limit).
+    """
     folder = tmp_path / "small"
     folder.mkdir()
     try:
@@ -156,33 +159,29 @@ def small_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path
         mounted = subprocess.run(cmd, capture_output=True, timeout=30).returncode == 0
     except (OSError, subprocess.TimeoutExpired):  # no mount binary
         mounted = False
-    if not mounted:
-        written = {"n": 0}
-        write = file_io._WriteErrorRecorder.write
 
-        def filling_write(self: file_io._WriteErrorRecorder, data: bytes) -> int:
-            written["n"] += len(data)
-            if written["n"] > 128 << 10:
-                self.error = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-                raise self.error
-            return write(self, data)
+    def limit_file_size() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (128 << 10, 128 << 10))
 
-        monkeypatch.setattr(file_io._WriteErrorRecorder, "write", filling_write)
     try:
-        yield folder
+        yield folder, None if mounted else limit_file_size
     finally:
         if mounted:
             subprocess.run(["umount", str(folder)], check=True)
 
 
-def test_full_disk_is_a_clean_error_and_leaves_nothing(big_dir: Path, small_disk: Path, capsys) -> None:
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_full_disk_is_a_clean_error_and_leaves_nothing(big_dir: Path, small_disk, workers: str) -> None:
+    folder, preexec = small_disk
     inputs = _sha(big_dir)
-    argv = ["--input", str(big_dir / SHARD.format("*")), "--output", str(small_disk / "shard{i}.pt"),
-            "--num-output-shards", "3"]
-    assert main(argv) == 2
-    line = _one_error_line(capsys.readouterr().err)
-    assert re.search(rf"{small_disk}/shard\d\.pt: cannot write \(No space left on device\)", line), line
-    assert list(small_disk.iterdir()) == []  # neither the outputs already written nor temp files
+    cmd = [sys.executable, "-m", "metaseq.scripts.reshard_fsdp", "--input", str(big_dir / SHARD.format("*")),
+           "--output", str(folder / "shard{i}.pt"), "--num-output-shards", "3", "--num-workers", workers]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120, preexec_fn=preexec)
+    assert proc.returncode == 2
+    line = _one_error_line(proc.stderr)
+    assert re.search(rf"{folder}/shard\d\.pt: cannot write \((No space left on device|File too large)\)", line), line
+    assert list(folder.iterdir()) == []  # neither the outputs already written nor temp files
     assert _sha(big_dir) == inputs
 
 
@@ -220,14 +219,14 @@ def _tensor_record_span(data: bytes, record: str) -> tuple[int, int]:
     return start, start + info.compress_size
 
 
-def test_flipped_tensor_bit_passes_unnoticed_without_verify_and_is_caught_with_it(shard_dir, tmp_path, capsys) -> None:
-    path = shard_dir / SHARD.format(2)
+def test_flipped_tensor_bit_passes_unnoticed_without_verify_and_is_caught_with_it(big_dir, tmp_path, capsys) -> None:
+    path = big_dir / SHARD.format(2)
     data = bytearray(path.read_bytes())
     start, _ = _tensor_record_span(bytes(data), "/data/0")
     data[start + 2] ^= 0x10  # one bit of one weight: still loads
     path.write_bytes(bytes(data))
-    argv = ["--input", str(shard_dir / SHARD.format("*")), "--num-output-shards", "2", "--quiet"]
-    assert main([*argv, "--output", str(tmp_path / "plain" / "shard{i}.pt")]) == 0  # torch.load checks no CRC
+    argv = ["--input", str(big_dir / SHARD.format("*")), "--num-output-shards", "2", "--quiet"]
+    assert main([*argv, "--output", str(tmp_path / "plain" / "shard{i}.pt")]) == 0  # tensor data has no CRC check
     capsys.readouterr()
     assert main([*argv, "--output", str(tmp_path / "checked" / "shard{i}.pt"), "--verify"]) == 2
     line = _one_error_line(capsys.readouterr().err)
@@ -235,19 +234,56 @@ def test_flipped_tensor_bit_passes_unnoticed_without_verify_and_is_caught_with_i
     assert not (tmp_path / "checked").exists()
 
 
-def test_verify_failure_names_the_tensor_and_removes_outputs(shard_dir, tmp_path, monkeypatch, capsys) -> None:
-    def buggy_save(obj: dict[str, Any], path: str, **kwargs: Any) -> None:
-        if str(path).endswith("shard1.pt"):
-            obj["model"]["decoder.layers.0.flat_param_0"][3] += 1.0  # a reshard bug
-        atomic_torch_save(obj, path, **kwargs)
+def test_flipped_bit_in_a_small_tensor_is_caught_without_verify(shard_dir, tmp_path, capsys) -> None:
+    """Storages of at most 64 bytes (steps, tiny flat parameters) are read with the pickle, CRC32 checked."""
+    path = shard_dir / SHARD.format(2)
+    data = bytearray(path.read_bytes())
+    start, end = _tensor_record_span(bytes(data), "/data/0")
+    assert end - start <= 64
+    data[start + 2] ^= 0x10
+    path.write_bytes(bytes(data))
+    argv = ["--input", str(shard_dir / SHARD.format("*")), "--output", str(tmp_path / "o{i}.pt"), "--num-output-shards", "2"]
+    assert main(argv) == 2
+    assert f"{path}: corrupt checkpoint (record data/0 fails its CRC32 check)" in _one_error_line(capsys.readouterr().err)
+    assert not list(tmp_path.glob("o*.pt"))
 
-    monkeypatch.setattr(parallel, "atomic_torch_save", buggy_save)
+
+def test_verify_failure_names_the_tensor_and_removes_outputs(big_dir, tmp_path, monkeypatch, capsys) -> None:
+    """A writer that puts wrong bytes into an output is caught by re-reading and comparing it.
+
+    Simulated at the OS boundary: copies go through pread/pwrite (as on file systems without
+    copy_file_range), and one bit of the first tensor bytes read from an input for shard1.pt
+    is flipped as they are written. The CRC32s are then those of the wrong bytes, so only
+    the comparison with the inputs can notice.
+    """
+    real_pread, real_pwrite = os.pread, os.pwrite
+    state = {"armed": False, "flipped": False}
+
+    def no_copy_file_range(*args: Any) -> int:
+        raise OSError(errno.EXDEV, "cross-device")
+
+    def pread(fd: int, n: int, offset: int) -> bytes:
+        state["armed"] = str(big_dir) in os.readlink(f"/proc/self/fd/{fd}")
+        return real_pread(fd, n, offset)
+
+    def pwrite(fd: int, data: Any, offset: int) -> int:
+        if state["armed"] and not state["flipped"] and ".shard1.pt." in os.readlink(f"/proc/self/fd/{fd}"):
+            data = bytearray(data)
+            data[3] ^= 0x01  # the exponent of the first float32
+            state["flipped"] = True
+        state["armed"] = False
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(os, "copy_file_range", no_copy_file_range)
+    monkeypatch.setattr(os, "pread", pread)
+    monkeypatch.setattr(os, "pwrite", pwrite)
     out = tmp_path / "out"
-    argv = ["--input", str(shard_dir / SHARD.format("*")), "--output", str(out / "shard{i}.pt"),
-            "--num-output-shards", "3", "--verify"]
+    argv = ["--input", str(big_dir / SHARD.format("*")), "--output", str(out / "shard{i}.pt"),
+            "--num-output-shards", "3", "--verify", "--num-workers", "1"]
     assert main(argv) == 2
     line = _one_error_line(capsys.readouterr().err)
-    assert "--verify failed, outputs removed" in line and "decoder.layers.0." in line and "max abs diff 1" in line
+    assert state["flipped"] and "--verify failed, outputs removed:" in line, line
+    assert re.search(r"difference\(s\) between the outputs and the inputs, first decoder\.[\w.]+: max abs diff", line)
     assert list(out.iterdir()) == []
 
 

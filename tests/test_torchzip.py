@@ -13,7 +13,12 @@ import pytest
 import torch
 
 from metaseq import torchzip
-from metaseq.torchzip import Size, TensorRef, Unsupported, read_structure, write_checkpoint
+from metaseq.errors import CheckpointLoadError
+from metaseq.torchzip import Copy, NeedsTorch, Opaque, Size, TensorRef, read_checkpoint, write_checkpoint
+
+
+def read_structure(path: str):
+    return read_checkpoint(path)[0]
 
 
 def _sample() -> dict:
@@ -79,10 +84,10 @@ def test_reading_touches_only_the_pickle(tmp_path: Path) -> None:
     ref = read_structure(str(tmp_path / "in.pt"))["w"]
     assert isinstance(ref, TensorRef) and ref.shape == Size([10]) and ref.dtype.name == "int64"
     assert ref.storage_offset == 10 and ref.storage.nbytes == 8000 and ref.is_contiguous()
-    assert ref.clone().storage.nbytes == 80 and ref.clone().storage.source_offset(0) == ref.storage.source_offset(10)
+    assert ref.compact().storage.nbytes == 80 and ref.compact().storage.locate(0) == ref.storage.locate(10)
     torch.save({"step": torch.tensor([[-5]]), "bf": torch.tensor(0.375, dtype=torch.bfloat16)}, tmp_path / "s.pt")
     scalars = read_structure(str(tmp_path / "s.pt"))
-    assert scalars["step"].squeeze().shape == () and scalars["step"].item() == -5 and scalars["bf"].item() == 0.375
+    assert scalars["step"].compact(()).shape == () and scalars["step"].value() == -5 and scalars["bf"].value() == 0.375
     assert repr(ref.shape) == "torch.Size([10])" and repr(ref.dtype) == "torch.int64"
 
 
@@ -129,8 +134,8 @@ def test_pieces_and_zero_padding_fill_a_new_tensor(tmp_path: Path) -> None:
     torch.save({"a": torch.arange(10, dtype=torch.float32)}, tmp_path / "in.pt")
     src = read_structure(str(tmp_path / "in.pt"))["a"]
     out = TensorRef.empty([2, 4], torchzip.dtype_by_name("float32"))
-    path, offset = src.storage.source_offset(6)
-    out.storage.pieces.append((path, offset, 4, 12))  # elements 6..8 into positions 1..3; the rest zeros
+    path, offset = src.storage.locate(6)
+    out.storage.copies.append(Copy(path, offset, 4, 3, src.dtype))  # elements 6..8 into positions 1..3; the rest zeros
     with open(tmp_path / "out.pt", "wb") as f:
         write_checkpoint(f.fileno(), {"x": out})
     expected = torch.tensor([[0, 6, 7, 8], [0, 0, 0, 0]], dtype=torch.float32)
@@ -141,8 +146,10 @@ def _legacy(path: Path) -> None:
     torch.save({"a": torch.zeros(2)}, path, _use_new_zipfile_serialization=False)
 
 
-def _namespace(path: Path) -> None:
-    torch.save({"args": argparse.Namespace(lr=1.0), "a": torch.zeros(2)}, path)
+def test_legacy_files_are_left_to_torch(tmp_path: Path) -> None:
+    _legacy(tmp_path / "in.pt")
+    with pytest.raises(NeedsTorch):
+        read_structure(str(tmp_path / "in.pt"))
 
 
 def _damaged_pickle(path: Path) -> None:
@@ -157,21 +164,41 @@ def _truncated(path: Path) -> None:
     path.write_bytes(path.read_bytes()[:2000])
 
 
-def _bytes_value(path: Path) -> None:
-    torch.save({"a": torch.zeros(2), "blob": b"\x00\x01"}, path)
-
-
-@pytest.mark.parametrize("make", [_legacy, _namespace, _damaged_pickle, _truncated, _bytes_value],
-                         ids=lambda f: f.__name__.strip("_"))
-def test_files_that_need_torch_are_refused_not_misread(tmp_path: Path, make) -> None:
-    """Anything else goes to torch.load, which either reads it or gives the one-line error."""
+@pytest.mark.parametrize("make, words", [(_damaged_pickle, "record data.pkl fails its CRC32 check"),
+                                         (_truncated, "no zip directory at its end, so it is truncated")],
+                         ids=["damaged-pickle", "truncated"])
+def test_damaged_files_are_refused_not_misread(tmp_path: Path, make, words: str) -> None:
     make(tmp_path / "in.pt")
-    with pytest.raises(Unsupported):
+    with pytest.raises(CheckpointLoadError, match=words):
         read_structure(str(tmp_path / "in.pt"))
 
 
+class Point:
+    """A class the reader does not know: carried as its pickle built it."""
+
+    def __init__(self, x: int) -> None:
+        self.x, self.items = x, [torch.arange(3)]
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is Point and other.x == self.x and torch.equal(other.items[0], self.items[0])
+
+
+def test_objects_of_other_classes_are_carried_and_written_back_equal(tmp_path: Path) -> None:
+    original = {"args": argparse.Namespace(lr=1.0, betas=(0.9, 0.98)), "p": Point(3), "blob": b"\x00\x01",
+                "kinds": {1, 2}, "a": torch.zeros(2)}
+    torch.save(original, tmp_path / "in.pt")
+    obj, unknown = read_checkpoint(str(tmp_path / "in.pt"))
+    assert unknown == ["__builtin__.set", "argparse.Namespace", "test_torchzip.Point"]  # protocol 2 names
+    assert isinstance(obj["p"], Opaque) and obj["blob"] == b"\x00\x01"
+    with open(tmp_path / "out.pt", "wb") as f:
+        write_checkpoint(f.fileno(), obj)
+    loaded = torch.load(tmp_path / "out.pt", weights_only=False)
+    assert loaded.keys() == original.keys() and loaded["args"] == original["args"] and loaded["p"] == original["p"]
+    assert loaded["blob"] == original["blob"] and loaded["kinds"] == original["kinds"]
+
+
 def test_unknown_globals_are_never_resolved(tmp_path: Path) -> None:
-    """The reader's allowlist: an object whose unpickling would call os.system is refused, not run."""
+    """An object whose unpickling would call os.system is kept as a record of that call, never made."""
     marker = tmp_path / "ran"
 
     class Evil:
@@ -179,8 +206,8 @@ def test_unknown_globals_are_never_resolved(tmp_path: Path) -> None:
             return (os.system, (f"touch {marker}",))
 
     torch.save({"a": Evil()}, tmp_path / "in.pt")
-    with pytest.raises(Unsupported, match="global"):
-        read_structure(str(tmp_path / "in.pt"))
+    obj, unknown = read_checkpoint(str(tmp_path / "in.pt"))
+    assert unknown == [f"{os.system.__module__}.system"] and obj["a"].args == (f"touch {marker}",)
     assert not marker.exists()
 
 
@@ -190,7 +217,7 @@ def test_reshard_cli_runs_without_importing_torch(tmp_path: Path) -> None:
         "import sys\n"
         "from metaseq import torchzip\n"
         "import metaseq.scripts.reshard_fsdp\n"
-        f"torchzip.read_structure({str(tmp_path / 'probe.pt')!r})\n"
+        f"torchzip.read_checkpoint({str(tmp_path / 'probe.pt')!r})\n"
         "print('torch' in sys.modules)\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -238,5 +265,5 @@ def test_records_that_point_outside_the_file_are_refused(tmp_path: Path) -> None
         entry = data.index(b"PK\x01\x02", entry + 4)
     struct.pack_into("<II", data, entry + 20, 10**8, 10**8)  # its compressed and uncompressed sizes
     (tmp_path / "in.pt").write_bytes(bytes(data))
-    with pytest.raises(Unsupported, match="past the end"):
+    with pytest.raises(CheckpointLoadError, match="past the end"):
         read_structure(str(tmp_path / "in.pt"))

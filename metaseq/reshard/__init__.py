@@ -1,16 +1,23 @@
 """Reshard fairscale FSDP checkpoints: any N shards -> any M shards, or one unflattened file.
 
-Pure state-dict logic lives in `ranges`, `layout`, `optim` and `build`; file
-handling (glob, load, atomic save) in `driver`. The CLI is `metaseq.scripts.reshard_fsdp`.
+    options -> plan (`plan`: inputs read, every output's tensors as runs of input bytes)
+            -> write (`write`: one writer, byte copies) -> verify (`verify`, `--verify`)
+
+`run.reshard(options)` does all of it; the CLI is `metaseq.scripts.reshard_fsdp`.
 """
-from metaseq.reshard.build import consolidate_shards, reshard_shards
-from metaseq.reshard.driver import plan_reshard_fsdp, reshard_fsdp_checkpoints
-from metaseq.reshard.schema import ReshardError
+from metaseq.errors import ReshardError
+from metaseq.reshard.options import ReshardOptions
+from metaseq.reshard.plan import Plan, describe_plan, plan_reshard
+from metaseq.reshard.run import consolidate_shards, reshard, reshard_fsdp_checkpoints, reshard_shards
 
 __all__ = [
+    "Plan",
     "ReshardError",
+    "ReshardOptions",
     "consolidate_shards",
-    "plan_reshard_fsdp",
+    "describe_plan",
+    "plan_reshard",
+    "reshard",
     "reshard_fsdp_checkpoints",
     "reshard_shards",
 ]

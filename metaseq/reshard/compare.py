@@ -2,10 +2,10 @@
 
 A checkpoint (N flat FSDP shards, an unflattened file as `--unflatten-weights` writes,
 or a plain state dict) is opened as a `TensorSet`: each original parameter, tensor
-buffer and per-element optimizer state is a `Target` planned by the reshard library
-itself (`plan_targets` with unflatten, i.e. consolidation) and read on demand from
-mmap-loaded files. Comparing two sets holds one tensor of each side at a time, so
-memory is about twice the largest parameter, not the model.
+buffer and per-element optimizer state is an `OutTensor` planned by the reshard planner
+itself (consolidation: `output_tensors` with unflatten), read on demand from the files.
+Comparing two sets holds one tensor of each side at a time, so memory is about twice
+the largest parameter, not the model.
 """
 from __future__ import annotations
 
@@ -14,21 +14,23 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from metaseq.file_io import load_checkpoint, load_checkpoint_skeleton
-from metaseq.reshard.build import ReshardOptions, ReshardSource, analyze_shards, plan_targets
+from metaseq.errors import ReshardError
 from metaseq.reshard.layout import global_params
-from metaseq.reshard.optim import LAYOUT_KEYS, OPTIM
-from metaseq.reshard.ranges import Piece, Target, materialize_targets
-from metaseq.reshard.schema import ReshardError, clean_key
+from metaseq.reshard.optim import LAYOUT_KEYS
+from metaseq.reshard.options import ReshardOptions
+from metaseq.reshard.plan import InputFile, Source, analyze_inputs, output_tensors, read_inputs, tensor_ref
+from metaseq.reshard.ranges import OutTensor, Run
+from metaseq.reshard.schema import OPTIM, clean_key, is_tensor
+from metaseq.torchzip import to_torch
 
 __all__ = [
     "Comparison",
     "Difference",
-    "MmapFiles",
     "TensorSet",
     "compare_tensor_sets",
     "describe_comparison",
     "open_tensor_set",
+    "tensor_difference",
     "tensor_set_from_source",
 ]
 
@@ -36,103 +38,85 @@ CHUNK_ELEMENTS = 1 << 24  # differences are computed in float64 chunks of this m
 OptimKey = tuple[str, str]  # (parameter name, state name), e.g. ("decoder.x.weight", "exp_avg")
 
 
-class MmapFiles:
-    """`fetch(rank)` for `materialize_targets`: each file mmap-loaded on first use and kept.
-
-    Keeping them costs address space, not memory: only the pages read are resident,
-    and the kernel can drop them again.
-    """
-
-    def __init__(self, paths: Sequence[str], trust: bool) -> None:
-        self.paths, self.trust = tuple(paths), trust
-        self.loaded: dict[int, dict[str, Any]] = {}
-
-    def __call__(self, rank: int) -> dict[str, Any]:
-        if rank not in self.loaded:
-            self.loaded[rank] = load_checkpoint(self.paths[rank], mmap=True, trust=self.trust)
-        return self.loaded[rank]
-
-
 @dataclass(frozen=True)
 class TensorSet:
     """The named tensors of one checkpoint, in unflattened form, read on demand."""
 
-    paths: tuple[str, ...]
+    inputs: tuple[InputFile, ...]
     form: str  # for reports: "4 flat shards", "1 unflattened file", "a plain state dict"
-    model: dict[str, Target]  # original parameter names (tied ones included) and tensor buffers
+    model: dict[str, OutTensor]  # original parameter names (tied ones included) and tensor buffers
     buffers: frozenset[str]
-    optim: dict[OptimKey, Target] | None  # None: no optimizer state, skipped, or not comparable
+    optim: dict[OptimKey, OutTensor] | None  # None: no optimizer state, skipped, or not comparable
     optim_scalars: dict[OptimKey, Any]  # e.g. step, as a plain number
     optim_settings: dict[str, Any]  # param_groups without their "params" ids, loss_scale, ...
-    fetch: MmapFiles
     note: str = ""  # why optimizer state cannot be compared, if so
 
-    def read(self, target: Target) -> torch.Tensor:
-        return materialize_targets([target], self.fetch)[target.path]
+    @property
+    def paths(self) -> tuple[str, ...]:
+        return tuple(i.path for i in self.inputs)
+
+    def read(self, tensor: OutTensor) -> torch.Tensor:
+        return to_torch(tensor_ref(tensor, self.inputs))
 
 
-def open_tensor_set(
-    paths: Sequence[str], *, trust: bool = False, skip_optimizer_state: bool = False
-) -> TensorSet:
+def open_tensor_set(paths: Sequence[str], *, trust: bool = False, skip_optimizer_state: bool = False) -> TensorSet:
     """Validate and open the files of one checkpoint (ordered by shard index); reads only pickles."""
-    skeletons = [load_checkpoint_skeleton(p, trust=trust) for p in paths]
-    fetch = MmapFiles(paths, trust)
-    if len(paths) == 1 and "shard_metadata" not in skeletons[0] and not _has_flat_params(skeletons[0]):
-        return _plain_tensor_set(paths[0], skeletons[0], fetch, skip_optimizer_state)
-    source = analyze_shards(skeletons, list(paths), ReshardOptions(skip_optimizer_state=skip_optimizer_state))
-    return tensor_set_from_source(source, skeletons[0], fetch)
+    inputs = read_inputs(paths, trust=trust)
+    first = inputs[0].structure
+    if len(paths) == 1 and isinstance(first, Mapping) and "shard_metadata" not in first and not _has_flat_params(first):
+        return _plain_tensor_set(inputs[0], skip_optimizer_state)
+    structures = [i.structure for i in inputs]
+    source = analyze_inputs(structures, list(paths), ReshardOptions(skip_optimizer_state=skip_optimizer_state))
+    return tensor_set_from_source(source, inputs)
 
 
 def _has_flat_params(checkpoint: Mapping[str, Any]) -> bool:
-    """An FSDP shard saved without its metadata: analyze_shards explains why that cannot work."""
+    """An FSDP shard saved without its metadata: analyze_inputs explains why that cannot work."""
     model = checkpoint.get("model")
     return isinstance(model, Mapping) and any("flat_param_" in str(k) for k in model)
 
 
-def tensor_set_from_source(
-    source: ReshardSource, shard0: Mapping[str, Any], fetch: MmapFiles, output_dtype: torch.dtype | None = None
-) -> TensorSet:
+def tensor_set_from_source(source: Source, inputs: Sequence[InputFile], output_dtype: str | None = None) -> TensorSet:
     """Every tensor of an analyzed checkpoint as a consolidation would write it.
 
-    `shard0` is the first file's dict (a skeleton is enough); `output_dtype` casts
-    floating model tensors like `--output-dtype` does.
+    `output_dtype` casts floating model tensors like `--output-dtype` does.
     """
     layout = source.model
     names = {g: layout.flat_params[k].names[j] for g, k, j in global_params(layout)}
-    model: dict[str, Target] = {}
-    optim: dict[OptimKey, Target] | None = None if source.optim is None else {}
-    for target in plan_targets(source, ReshardOptions(unflatten=True, output_dtype=output_dtype), 0):
+    model: dict[str, OutTensor] = {}
+    optim: dict[OptimKey, OutTensor] | None = None if source.optim is None else {}
+    options = ReshardOptions(unflatten_weights=True, output_dtype=output_dtype)
+    for target in output_tensors(source, options, 0):
         if target.path[0] == "model":
             model[target.path[1]] = target
         else:  # (OPTIM, "state", global id, state name)
             optim[(names[target.path[2]], target.path[3])] = target
+    shard0 = inputs[0].structure
     own = {}  # an unflattened file stores each tied copy under its own name
     if layout.unflattened:
-        own = {clean_key(str(k)): (k, v) for k, v in shard0["model"].items() if torch.is_tensor(v)}
+        own = {clean_key(str(k)): (k, v) for k, v in shard0["model"].items() if is_tensor(v)}
     for src, dst in layout.ties:
-        model[dst] = _tie_target(model[src], dst, own, output_dtype)
+        model[dst] = _tie_target(model[src], dst, own, options)
     buffers = frozenset(e.key for e in layout.extras if e.shape is not None)
-    files = len(fetch.paths)
+    files = len(inputs)
     form = "1 unflattened file" if layout.unflattened else f"{files} flat shard{'s' if files > 1 else ''}"
     scalars, settings = ({}, {}) if source.optim is None else _optim_scalars(source, names, shard0[OPTIM])
-    return TensorSet(fetch.paths, form, model, buffers, optim, scalars, settings, fetch)
+    return TensorSet(tuple(inputs), form, model, buffers, optim, scalars, settings)
 
 
-def _tie_target(
-    src: Target, dst: str, own: Mapping[str, tuple[Any, torch.Tensor]], output_dtype: torch.dtype | None
-) -> Target:
+def _tie_target(src: OutTensor, dst: str, own: Mapping[str, tuple[Any, Any]], options: ReshardOptions) -> OutTensor:
     """A tied copy: read from its own tensor where the file has one (unflattened), else from `src`."""
     if dst not in own:
         return src._replace(path=("model", dst))
     key, tensor = own[dst]
     n = tensor.numel()
-    pieces = (Piece(0, ("model", key), 0, 0, n),) if n else ()
-    dtype = output_dtype if output_dtype is not None and tensor.dtype.is_floating_point else tensor.dtype
-    return Target(("model", dst), tensor.shape, dtype, pieces)
+    runs = (Run(0, ("model", key), 0, 0, n),) if n else ()
+    dtype = options.dtype if options.dtype is not None and tensor.dtype.is_floating_point else tensor.dtype
+    return OutTensor(("model", dst), tensor.shape, dtype, runs)
 
 
 def _optim_scalars(
-    source: ReshardSource, names: Mapping[int, str], osd0: Mapping[str, Any]
+    source: Source, names: Mapping[int, str], osd0: Mapping[str, Any]
 ) -> tuple[dict[OptimKey, Any], dict[str, Any]]:
     scalars = {}
     for g, k, _ in global_params(source.model):
@@ -141,35 +125,38 @@ def _optim_scalars(
                 scalars[(names[g], entry.name)] = _plain_scalar(entry.values[0])
     settings = {key: value for key, value in osd0.items() if key not in (*LAYOUT_KEYS, "param_groups")}
     settings["param_groups"] = [{k: v for k, v in group.items() if k != "params"} for group in osd0["param_groups"]]
-    return scalars, settings
+    return scalars, to_torch(settings)
 
 
 def _plain_scalar(value: Any) -> Any:
     """`step` as saved flat (0-dim tensor or int) or consolidated (number, per-rank list) -> a number."""
     if isinstance(value, list) and value:
         value = value[0]
-    if torch.is_tensor(value):
-        return value.item() if value.numel() == 1 else value.tolist()
+    if is_tensor(value):
+        return to_torch(value).item() if value.numel() == 1 else to_torch(value).tolist()
     return value
 
 
-def _plain_tensor_set(path: str, skeleton: Mapping[str, Any], fetch: MmapFiles, skip_optimizer_state: bool) -> TensorSet:
+def _plain_tensor_set(item: InputFile, skip_optimizer_state: bool) -> TensorSet:
     """A file without shard_metadata: `model` (or the whole dict) holds named tensors."""
-    state_dict, prefix = skeleton.get("model"), ("model",)
+    structure, path = item.structure, item.path
+    state_dict, prefix = structure.get("model"), ("model",)
     if not isinstance(state_dict, Mapping):
-        if not skeleton or not all(torch.is_tensor(v) for v in skeleton.values()):
+        if not structure or not all(is_tensor(v) for v in structure.values()):
             raise ReshardError(f"{path}: neither FSDP shards nor a state dict (no 'model' dict of tensors)")
-        state_dict, prefix = skeleton, ()
+        state_dict, prefix = structure, ()
     model = {}
     for key, value in state_dict.items():
-        if torch.is_tensor(value):
+        if is_tensor(value):
+            if not value.is_contiguous():
+                raise ReshardError(f"{path}: model['{key}'] is a non-contiguous view; cannot compare it")
             n = value.numel()
-            pieces = (Piece(0, (*prefix, key), 0, 0, n),) if n else ()
-            model[clean_key(str(key))] = Target(("model", clean_key(str(key))), value.shape, value.dtype, pieces)
+            runs = (Run(0, (*prefix, key), 0, 0, n),) if n else ()
+            model[clean_key(str(key))] = OutTensor(("model", clean_key(str(key))), value.shape, value.dtype, runs)
     note = ""
-    if skeleton.get(OPTIM) is not None and not skip_optimizer_state:
+    if structure.get(OPTIM) is not None and not skip_optimizer_state:
         note = f"{path} has no shard_metadata, so its optimizer state ids cannot be matched to parameter names"
-    return TensorSet((path,), "a plain state dict", model, frozenset(), None, {}, {}, fetch, note)
+    return TensorSet((item,), "a plain state dict", model, frozenset(), None, {}, {}, note)
 
 
 @dataclass(frozen=True)
@@ -222,8 +209,8 @@ def _optim_name(key: OptimKey) -> str:
 def _compare_targets(
     a: TensorSet,
     b: TensorSet,
-    ta: Mapping[Any, Target],
-    tb: Mapping[Any, Target],
+    ta: Mapping[Any, OutTensor],
+    tb: Mapping[Any, OutTensor],
     label: Callable[[Any], str],
     atol: float,
     exact_dtype: bool,

@@ -3,10 +3,10 @@
     torchrun --nnodes 2 --nproc-per-node 4 -m metaseq.scripts.reshard_fsdp ...
     srun --nodes 2 --ntasks-per-node 4 python -m metaseq.scripts.reshard_fsdp ...
 
-The ranks coordinate only through torch.distributed (gloo, `env://`). Rank 0 plans
-and broadcasts the plan or its error (`decide_on_rank_zero`); every later phase ends
-with an all_gather of the ranks' errors (`agree`), so a failure on any rank makes
-every rank raise the same message.
+The ranks coordinate only through torch.distributed (gloo, `env://`). Every phase
+(planning, which each rank does itself, then writing and verifying) ends with an
+all_gather of the ranks' errors (`agree`), so a failure on any rank makes every rank
+raise the same message.
 """
 from __future__ import annotations
 
@@ -16,17 +16,14 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable, Mapping, TypeVar
 
-from metaseq.file_io import CheckpointLoadError
-from metaseq.reshard.schema import ReshardError
+from metaseq.errors import ReshardError, one_line_error
 
 __all__ = [
     "World",
     "agree",
     "barrier",
     "close_world",
-    "decide_on_rank_zero",
     "detect_world",
-    "error_text",
     "first_slurm_host",
     "open_world",
 ]
@@ -107,31 +104,6 @@ def close_world(created: bool) -> None:
         dist.destroy_process_group()
 
 
-def error_text(err: BaseException) -> str:
-    """One line: the message of our own errors, `Type: message` for anything else."""
-    text = " ".join(str(err).split())
-    if isinstance(err, (ReshardError, CheckpointLoadError, OSError)):
-        return text
-    return f"{type(err).__name__}: {text}"
-
-
-def decide_on_rank_zero(world: World, fn: Callable[[], T]) -> T:
-    """Run `fn` on rank 0 only and give every rank its result; its error is raised on every rank."""
-    import torch.distributed as dist
-
-    payload: list = [None]
-    if world.rank == 0:
-        try:
-            payload = [(True, fn())]
-        except Exception as e:  # noqa: BLE001 -- reported on every rank
-            payload = [(False, error_text(e))]
-    dist.broadcast_object_list(payload, src=0)
-    ok, value = payload[0]
-    if not ok:
-        raise ReshardError(value)
-    return value
-
-
 def agree(world: World, fn: Callable[[], T]) -> T:
     """Run `fn` on every rank; if it failed anywhere, every rank raises the first failure's message."""
     import torch.distributed as dist
@@ -140,7 +112,7 @@ def agree(world: World, fn: Callable[[], T]) -> T:
     try:
         value = fn()
     except Exception as e:  # noqa: BLE001 -- reported on every rank
-        error = f"rank {world.rank} of {world.size}: {error_text(e)}"
+        error = f"rank {world.rank} of {world.size}: {one_line_error(e)}"
     errors: list = [None] * world.size
     dist.all_gather_object(errors, error)
     failed = [e for e in errors if e is not None]

@@ -2,23 +2,21 @@
 
 `analyze_model` turns the inputs' `shard_metadata` and `model` dicts into a
 `ModelLayout`: every flat parameter with its original names/shapes and the
-`Segment`s that hold its unpadded elements. Inputs are either N flat shards
+`Span`s that hold its unpadded elements. Inputs are either N flat shards
 (`flat_param_*` keys, one per FSDP instance) or ONE unflattened file (original
-parameter names plus `shard_metadata`, as `--unflatten-weights` writes). Tensors
-may be real or on the meta device: only shapes and dtypes are read here.
+parameter names plus `shard_metadata`, as `--unflatten-weights` writes). Tensors are
+`metaseq.torchzip.TensorRef`s: only shapes and dtypes are read here.
 """
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
-from metaseq.reshard.ranges import Segment, shard_range
-from metaseq.reshard.schema import ReshardError, ShardMetadata, clean_key, is_tensor, join_key
-from metaseq.torchzip import Size
-
-if TYPE_CHECKING:
-    import torch
+from metaseq.errors import ReshardError
+from metaseq.reshard.ranges import Span, shard_range
+from metaseq.reshard.schema import ShardMetadata, clean_key, is_tensor, join_key
+from metaseq.torchzip import DType, Size
 
 __all__ = [
     "Extra",
@@ -38,7 +36,7 @@ class FlatParam:
     instance: int  # index into param_metadata
     backing_name: str  # key of its entry in that instance's "params"
     names: tuple[str, ...]
-    shapes: tuple[torch.Size, ...]
+    shapes: tuple[Size, ...]
     numels: tuple[int, ...]
 
     @property
@@ -60,8 +58,8 @@ class Extra:
 
     key: str  # clean key
     actual_key: str  # key in rank 0's model dict
-    shape: torch.Size | None  # None: not a tensor, carried as it is
-    dtype: torch.dtype | None
+    shape: Size | None  # None: not a tensor, carried as it is
+    dtype: DType | None
 
 
 @dataclass(frozen=True)
@@ -71,8 +69,8 @@ class ModelLayout:
     flat_params: tuple[FlatParam, ...]
     padded_lengths: tuple[tuple[int, ...], ...]  # [k][r]: flat tensor length on input r
     kept_lengths: tuple[tuple[int, ...], ...]  # [k][r]: the same without padding
-    sources: tuple[tuple[Segment, ...], ...]  # [k]: unpadded elements, in order
-    dtypes: tuple[torch.dtype, ...]  # [k]
+    sources: tuple[tuple[Span, ...], ...]  # [k]: unpadded elements, in order
+    dtypes: tuple[DType, ...]  # [k]
     extras: tuple[Extra, ...]
     ties: tuple[tuple[str, str], ...]  # (src, dst) full names
     metadata: ShardMetadata  # rank 0's, template for the outputs
@@ -264,7 +262,7 @@ def _flat_sources(
             _check_padding(fp, tensor.numel(), pad, lengths[0] if lengths else None, label, labels[0])
             lengths.append(tensor.numel())
             keeps.append(tensor.numel() - pad)
-            segments.append(Segment(r, ("model", actual), tensor.numel() - pad))
+            segments.append(Span(r, ("model", actual), 0, tensor.numel() - pad))
         _check_consumed(fp, keeps, labels)
         padded.append(tuple(lengths))
         kept.append(tuple(keeps))
@@ -318,7 +316,7 @@ def _unflattened_sources(
             if not is_tensor(tensor) or tensor.shape != shape:
                 found = list(tensor.shape) if is_tensor(tensor) else type(tensor).__name__
                 raise ReshardError(f"{label}: model['{name}'] has shape {found} but shard_metadata says {list(shape)}")
-            segments.append(Segment(0, ("model", key_map[name]), shape.numel()))
+            segments.append(Span(0, ("model", key_map[name]), 0, shape.numel()))
         lengths.append((fp.numel,))
         sources.append(tuple(segments))
         dtypes.append(model[key_map[fp.names[0]]].dtype if fp.names else _any_dtype(model))

@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
+from metaseq.errors import ReshardError
 from metaseq.reshard.layout import ModelLayout, global_params
-from metaseq.reshard.ranges import Segment, Target, plan_range, shard_range
-from metaseq.reshard.schema import ReshardError, is_tensor
-from metaseq.torchzip import Size
-
-if TYPE_CHECKING:
-    import torch
+from metaseq.reshard.ranges import OutTensor, Span, plan_range, shard_range
+from metaseq.reshard.schema import OPTIM, is_tensor
+from metaseq.torchzip import DType, Size, TensorRef
 
 __all__ = [
     "OptimLayout",
@@ -32,7 +30,6 @@ __all__ = [
     "flat_optimizer_targets",
 ]
 
-OPTIM = "last_optimizer_state"
 LAYOUT_KEYS = ("state", "param_id_map", "uncollected_local_ids")
 
 
@@ -41,7 +38,11 @@ def _is_scalar_tensor(value: Any) -> bool:
 
 
 def _copy_scalar(value: Any) -> Any:
-    return value.clone() if is_tensor(value) else copy.deepcopy(value)
+    return value.compact() if is_tensor(value) else copy.deepcopy(value)
+
+
+def _squeezed(value: TensorRef) -> TensorRef:
+    return value.compact(Size(d for d in value.shape if d != 1))
 
 
 @dataclass(frozen=True)
@@ -49,8 +50,8 @@ class StateEntry:
     """One named state of one flat parameter: a per-element tensor or a scalar."""
 
     name: str
-    segments: tuple[Segment, ...] | None = None  # tensor state: unpadded elements, in order
-    dtype: torch.dtype | None = None
+    segments: tuple[Span, ...] | None = None  # tensor state: unpadded elements, in order
+    dtype: DType | None = None
     values: tuple[Any, ...] = ()  # scalar state: one value per input rank
     gathered: bool = False  # values came as fairscale's per-rank list of 0-dim tensors
 
@@ -64,9 +65,9 @@ class StateEntry:
         """Scalar as `gather_full_optim_state_dict` writes it: `step` a number, 0-dim tensors per rank."""
         first = self.values[0]
         if self.name == "step" and _is_scalar_tensor(first):
-            return first.item()
+            return first.value()
         if self.gathered or _is_scalar_tensor(first):
-            return [v.clone().squeeze() for v in self.values]
+            return [_squeezed(v) for v in self.values]
         return _copy_scalar(first)
 
 
@@ -130,7 +131,7 @@ def _flat_entry(osds: Sequence[Mapping[str, Any]], model: ModelLayout, k: int, n
                 f"{label}: {OPTIM}.state[{k}]['{name}'] has shape {found} but flat parameter '{fp.key}' "
                 f"has {expected} elements there; the optimizer state does not match the flat parameters"
             )
-        segments.append(Segment(r, (OPTIM, "state", k, name), model.kept_lengths[k][r]))
+        segments.append(Span(r, (OPTIM, "state", k, name), 0, model.kept_lengths[k][r]))
     return StateEntry(name, segments=tuple(segments), dtype=values[0].dtype)
 
 
@@ -209,12 +210,12 @@ def _consolidated_flat_param(
                     f"{label}: {OPTIM}.state[{g}]['{name}'] has shape {found} but parameter '{param_name}' "
                     f"has shape {list(shape)}"
                 )
-            segments.append(Segment(0, (OPTIM, "state", g, name), shape.numel()))
+            segments.append(Span(0, (OPTIM, "state", g, name), 0, shape.numel()))
         entries.append(StateEntry(name, segments=tuple(segments), dtype=first.dtype))
     return tuple(entries)
 
 
-def flat_optimizer_targets(optim: OptimLayout, model: ModelLayout, world_size: int, rank: int) -> list[Target]:
+def flat_optimizer_targets(optim: OptimLayout, model: ModelLayout, world_size: int, rank: int) -> list[OutTensor]:
     """Each per-element state of rank `rank` of `world_size`, padded like its flat parameter."""
     targets = []
     for k, entries in optim.entries.items():
@@ -222,11 +223,11 @@ def flat_optimizer_targets(optim: OptimLayout, model: ModelLayout, world_size: i
         for e in entries:
             if e.segments is not None:
                 pieces = plan_range(e.segments, start, end)
-                targets.append(Target((OPTIM, "state", k, e.name), Size([padded_len]), e.dtype, pieces))
+                targets.append(OutTensor((OPTIM, "state", k, e.name), Size([padded_len]), e.dtype, pieces))
     return targets
 
 
-def consolidated_optimizer_targets(optim: OptimLayout, model: ModelLayout) -> list[Target]:
+def consolidated_optimizer_targets(optim: OptimLayout, model: ModelLayout) -> list[OutTensor]:
     """Each per-element state of each original parameter, with its original shape."""
     targets = []
     for g, k, j in global_params(model):
@@ -235,12 +236,12 @@ def consolidated_optimizer_targets(optim: OptimLayout, model: ModelLayout) -> li
         for e in optim.entries.get(k, ()):
             if e.segments is not None:
                 pieces = plan_range(e.segments, start, end)
-                targets.append(Target((OPTIM, "state", g, e.name), fp.shapes[j], e.dtype, pieces))
+                targets.append(OutTensor((OPTIM, "state", g, e.name), fp.shapes[j], e.dtype, pieces))
     return targets
 
 
 def assemble_flat_optimizer(
-    osd0: Mapping[str, Any], optim: OptimLayout, model: ModelLayout, tensors: Mapping[tuple, torch.Tensor], rank: int
+    osd0: Mapping[str, Any], optim: OptimLayout, model: ModelLayout, tensors: Mapping[tuple, TensorRef], rank: int
 ) -> dict[str, Any]:
     """One rank's flat optimizer state_dict; other keys (param_groups, loss_scale) from rank 0."""
     state = {}
@@ -256,7 +257,7 @@ def assemble_flat_optimizer(
 
 
 def assemble_consolidated_optimizer(
-    osd0: Mapping[str, Any], optim: OptimLayout, model: ModelLayout, tensors: Mapping[tuple, torch.Tensor]
+    osd0: Mapping[str, Any], optim: OptimLayout, model: ModelLayout, tensors: Mapping[tuple, TensorRef]
 ) -> dict[str, Any]:
     """fairscale's consolidated layout, exactly as `gather_full_optim_state_dict` returns it."""
     state, id_map = {}, {}

@@ -1,52 +1,19 @@
 """Progress of a reshard run: a tqdm bar on a terminal, plain log lines otherwise, nothing with --quiet.
 
-Progress is counted in bytes of output tensors. Half of an output's bytes count
-when they have been copied from the inputs, the other half as its file is written,
-so the bar moves during both phases. Writers report through a `JobMeter`, which
-also works from worker processes (its `send` may put onto a queue).
+Progress is counted in bytes of output tensors, reported as the writer copies them.
 """
 from __future__ import annotations
 
 import logging
 import sys
 import time
-from typing import Callable, TextIO
+from typing import TextIO
 
-__all__ = ["JobMeter", "Progress", "make_progress"]
+__all__ = ["Progress", "make_progress"]
 
 logger = logging.getLogger(__name__)
 
 MODES = ("bar", "lines", "off")
-SEND_STEP_BYTES = 16 << 20  # a meter reports in steps of at least this much (few messages from workers)
-Send = Callable[[int, int], None]  # (job index, bytes done since the last report)
-
-
-class JobMeter:
-    """Progress of one output file: copied plus written bytes, halved, at most its tensor bytes."""
-
-    def __init__(self, job: int, job_bytes: int, send: Send | None) -> None:
-        self.job, self.job_bytes, self.send = job, job_bytes, send
-        self.moved = 0  # bytes copied in + bytes written out
-        self.reported = 0
-
-    def copied(self, nbytes: int) -> None:
-        self.moved += nbytes
-        self._report()
-
-    def written(self, nbytes: int) -> None:
-        self.moved += nbytes
-        self._report()
-
-    def streamed(self, nbytes: int) -> None:
-        """Copied and written at once (`metaseq.reshard.stream`)."""
-        self.moved += 2 * nbytes
-        self._report()
-
-    def _report(self) -> None:
-        credit = min(self.job_bytes, self.moved // 2)
-        if self.send is not None and credit - self.reported >= SEND_STEP_BYTES:
-            self.send(self.job, credit - self.reported)
-            self.reported = credit
 
 
 class Progress:

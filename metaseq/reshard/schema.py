@@ -1,25 +1,19 @@
-"""Checkpoint schema of FSDP shard files (see /work/shared/FORMAT.md) and the reshard error.
+"""The FSDP shard file's schema (see docs/checkpoint_format.md) and the names inside it.
 
-The TypedDicts describe what `torch.load` returns; they are documentation for
-readers and type checkers, not runtime validation (that is in `layout` and `optim`).
+The TypedDicts describe what a checkpoint holds; they are documentation for readers
+and type checkers, not runtime validation (that is in `layout` and `optim`).
 """
 from __future__ import annotations
 
-import sys
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import Any, TypedDict
 
-from metaseq.torchzip import TensorRef
-
-if TYPE_CHECKING:
-    import torch
+from metaseq.torchzip import Size, TensorRef
 
 __all__ = [
     "Checkpoint",
-    "ConsolidatedOptimizerState",
     "FlatOptimizerState",
     "InstanceMetadata",
     "ParamMetadata",
-    "ReshardError",
     "ShardMetadata",
     "clean_key",
     "is_tensor",
@@ -27,15 +21,12 @@ __all__ = [
 ]
 
 WRAPPER_SEGMENTS = frozenset({"_fsdp_wrapped_module", "_fpw_module"})
-
-
-class ReshardError(ValueError):
-    """Inputs or options that cannot be resharded; the message names the culprit and the fix."""
+OPTIM = "last_optimizer_state"
 
 
 class ParamMetadata(TypedDict):
     names: list[str]  # relative to the instance's fsdp_path; tied params appear once
-    shapes: list[torch.Size]  # full, unsharded shapes
+    shapes: list[Size]  # full, unsharded shapes
     numels: list[int]
     padding: int  # zeros appended on this rank
 
@@ -55,29 +46,22 @@ class ShardMetadata(TypedDict):
     buffer_names: list[str]
 
 
-class _OptimizerRequired(TypedDict):
+class FlatOptimizerState(TypedDict, total=False):
+    """One rank's `optimizer.state_dict()`: state id k is the k-th flat parameter, 1-D padded tensors.
+
+    fairscale's gathered layout (`gather_full_optim_state_dict`) has state per original
+    parameter instead, plus `param_id_map` and `uncollected_local_ids`.
+    """
+
     state: dict[int, dict[str, Any]]
     param_groups: list[dict[str, Any]]
-
-
-class FlatOptimizerState(_OptimizerRequired, total=False):
-    """One rank's `optimizer.state_dict()`: state id k is the k-th flat parameter, 1-D padded tensors."""
-
-    loss_scale: float
-
-
-class ConsolidatedOptimizerState(_OptimizerRequired, total=False):
-    """fairscale's `gather_full_optim_state_dict` layout: state per original parameter."""
-
-    param_id_map: dict[int, int | None]  # global (original param) id -> local (flat param) id
-    uncollected_local_ids: list[int]
     loss_scale: float
 
 
 class Checkpoint(TypedDict, total=False):
     model: dict[str, Any]
     shard_metadata: ShardMetadata
-    last_optimizer_state: FlatOptimizerState | ConsolidatedOptimizerState | None
+    last_optimizer_state: FlatOptimizerState | None
     optimizer_history: list[dict[str, Any]]
     extra_state: dict[str, Any]
     cfg: dict[str, Any]
@@ -88,14 +72,11 @@ def clean_key(key: str) -> str:
     return ".".join(part for part in key.split(".") if part not in WRAPPER_SEGMENTS)
 
 
-def is_tensor(value: Any) -> bool:
-    """A torch tensor, or a `metaseq.torchzip.TensorRef` (inputs read without torch)."""
-    if type(value) is TensorRef:
-        return True
-    torch = sys.modules.get("torch")  # not imported yet: nothing can be a torch tensor
-    return torch is not None and torch.is_tensor(value)
-
-
 def join_key(prefix: str, name: str) -> str:
     """`fsdp_path` + "." + name, without a leading dot for the root instance."""
     return f"{prefix}.{name}" if prefix else name
+
+
+def is_tensor(value: Any) -> bool:
+    """A tensor of a checkpoint as `metaseq.torchzip` reads it."""
+    return type(value) is TensorRef

@@ -1,41 +1,41 @@
 """`--verify`: check the inputs' CRC32s before writing, then the written outputs against the inputs.
 
     check_input_checksums(plan)          # every byte of every input, before anything is written
-    write_reshard_outputs(plan)
+    write_outputs(jobs, crc32=True)      # the same writer as always, storing CRC32s of what it wrote
     report = verify_reshard_outputs(plan)  # "verified 3 outputs: 52 parameters, ..."
 
-The comparison is `metaseq.reshard.compare` in its strict mode: both sides are read
-per original parameter (inputs cast like `--output-dtype`), dtypes must match and
-bits must be identical. Cost: one more read of the inputs and one of the outputs.
+The outputs' records are checked against the CRC32s the writer stored, then compared with
+`metaseq.reshard.compare` in its strict mode: both sides read per original parameter
+(inputs cast like `--output-dtype`), dtypes must match and bits must be identical.
+Cost: one more read of the inputs and two of the outputs.
 """
 from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
-from metaseq.file_io import CheckpointLoadError, check_checkpoint_crc, load_checkpoint_skeleton
-from metaseq.reshard.build import ReshardOptions, analyze_shards
-from metaseq.reshard.compare import MmapFiles, compare_tensor_sets, tensor_set_from_source
+from metaseq.errors import CheckpointLoadError, ReshardError
+from metaseq.file_io import check_checkpoint_crc
+from metaseq.reshard.compare import compare_tensor_sets, tensor_set_from_source
 from metaseq.reshard.layout import ModelLayout
+from metaseq.reshard.options import ReshardOptions
+from metaseq.reshard.plan import Plan, analyze_inputs, read_inputs
 from metaseq.reshard.ranges import shard_range
-from metaseq.reshard.schema import ReshardError
-
-if TYPE_CHECKING:
-    from metaseq.reshard.driver import ReshardPlan
 
 __all__ = ["check_input_checksums", "verify_reshard_outputs"]
 
 logger = logging.getLogger(__name__)
 
 
-def check_input_checksums(plan: ReshardPlan) -> int:
+def check_input_checksums(plan: Plan) -> int:
     """Read every input in full and check each record against its zip CRC32; returns bytes checked.
 
     torch.load does not do this, so without it a flipped bit in tensor data passes unnoticed.
     """
-    checked = [check_checkpoint_crc(path, tensors=True) or 0 for path in plan.inputs]
-    unchecked = [path for path, n in zip(plan.inputs, checked) if n == 0]
+    paths = [i.path for i in plan.inputs]
+    checked = [check_checkpoint_crc(path, tensors=True) or 0 for path in paths]
+    unchecked = [path for path, n in zip(paths, checked) if n == 0]
     if unchecked:
         logger.warning(
             "%d input(s) carry no CRC32s (legacy format, or saved without checksums), e.g. %s: "
@@ -45,7 +45,7 @@ def check_input_checksums(plan: ReshardPlan) -> int:
     return sum(checked)
 
 
-def verify_reshard_outputs(plan: ReshardPlan) -> str:
+def verify_reshard_outputs(plan: Plan) -> str:
     """Re-open the outputs and check them against the inputs; returns the report line.
 
     Checked: the outputs form the planned checkpoint (M flat shards padded as FSDP pads
@@ -55,28 +55,28 @@ def verify_reshard_outputs(plan: ReshardPlan) -> str:
     On any failure the outputs are removed (they cannot be trusted) and ReshardError names
     the first culprit.
     """
+    paths = [out.path for out in plan.outputs]
     try:
-        return _verify(plan)
+        return _verify(plan, paths)
     except (ReshardError, CheckpointLoadError) as e:
-        _remove(plan.outputs)
+        _remove(paths)
         raise ReshardError(f"--verify failed, outputs removed: {e}") from None
     except BaseException:
-        _remove(plan.outputs)
+        _remove(paths)
         raise
 
 
-def _verify(plan: ReshardPlan) -> str:
-    skeletons = [load_checkpoint_skeleton(p, trust=plan.trust_checkpoint) for p in plan.outputs]
-    source = analyze_shards(skeletons, list(plan.outputs), ReshardOptions())
-    _check_form(plan, source.model)
+def _verify(plan: Plan, paths: Sequence[str]) -> str:
+    for path in paths:
+        check_checkpoint_crc(path, tensors=True)
+    outs = read_inputs(paths, trust=plan.options.trust_checkpoint)
+    source = analyze_inputs([o.structure for o in outs], list(paths), ReshardOptions())
+    _check_form(plan, source.model, paths)
     if (source.optim is None) != (plan.source.optim is None):
         state = "has" if source.optim is not None else "lacks"
-        raise ReshardError(f"{plan.outputs[0]} {state} optimizer state, unlike the plan")
-    in_shard0 = load_checkpoint_skeleton(plan.inputs[0], trust=plan.trust_checkpoint)
-    inputs = tensor_set_from_source(
-        plan.source, in_shard0, MmapFiles(plan.inputs, plan.trust_checkpoint), plan.options.output_dtype
-    )
-    outputs = tensor_set_from_source(source, skeletons[0], MmapFiles(plan.outputs, plan.trust_checkpoint))
+        raise ReshardError(f"{paths[0]} {state} optimizer state, unlike the plan")
+    inputs = tensor_set_from_source(plan.source, plan.inputs, plan.options.output_dtype)
+    outputs = tensor_set_from_source(source, outs)
     result = compare_tensor_sets(inputs, outputs, exact_dtype=True)
     if not result.equal:
         first = result.differences[0]
@@ -86,7 +86,7 @@ def _verify(plan: ReshardPlan) -> str:
         )
     params = result.model_tensors - len(outputs.buffers)
     report = (
-        f"verified {len(plan.outputs)} output(s): {params} parameters, {len(outputs.buffers)} buffers, "
+        f"verified {len(paths)} output(s): {params} parameters, {len(outputs.buffers)} buffers, "
         f"{result.optimizer_tensors} optimizer tensors bit-identical to the inputs"
     )
     if result.optimizer_compared:
@@ -94,19 +94,19 @@ def _verify(plan: ReshardPlan) -> str:
     return report + "; metadata consistent"
 
 
-def _check_form(plan: ReshardPlan, out: ModelLayout) -> None:
+def _check_form(plan: Plan, out: ModelLayout, paths: Sequence[str]) -> None:
     """Same parameters as the inputs, in the planned form, each output rank padded as FSDP pads it."""
     ref, opts = plan.source.model, plan.options
-    if out.unflattened != opts.unflatten:
+    if out.unflattened != opts.unflatten_weights:
         form = "unflattened" if out.unflattened else "flat"
-        raise ReshardError(f"{plan.outputs[0]} is {form}, unlike the plan")
+        raise ReshardError(f"{paths[0]} is {form}, unlike the plan")
     if len(out.flat_params) != len(ref.flat_params) or out.ties != ref.ties:
-        raise ReshardError(f"{plan.outputs[0]}: flat parameters or ties differ from the inputs' metadata")
+        raise ReshardError(f"{paths[0]}: flat parameters or ties differ from the inputs' metadata")
     for mine, theirs in zip(out.flat_params, ref.flat_params):
         if (mine.key, mine.names, mine.shapes) != (theirs.key, theirs.names, theirs.shapes):
-            raise ReshardError(f"{plan.outputs[0]}: flat parameter '{mine.key}' differs from the inputs' metadata")
-    if not opts.unflatten:
-        _check_paddings(out, plan.outputs, opts.num_output_shards)
+            raise ReshardError(f"{paths[0]}: flat parameter '{mine.key}' differs from the inputs' metadata")
+    if not opts.unflatten_weights:
+        _check_paddings(out, paths, opts.num_output_shards)
 
 
 def _check_paddings(out: ModelLayout, paths: Sequence[str], world_size: int) -> None:

@@ -14,9 +14,9 @@ import logging
 import sys
 
 from metaseq.cli_logging import OneLineErrorParser, cli_logging, one_line_error
+from metaseq.errors import ReshardError, UserError
+from metaseq.file_io import find_shards
 from metaseq.reshard.compare import compare_tensor_sets, describe_comparison, open_tensor_set
-from metaseq.reshard.driver import find_input_shards
-from metaseq.reshard.schema import ReshardError
 
 __all__ = ["build_parser", "main"]
 
@@ -59,8 +59,8 @@ def _resolve(pattern: str, side: str) -> list[str]:
     if not glob.glob(pattern):
         raise ReshardError(f"{side} {pattern!r} matches no files")
     try:
-        return find_input_shards(pattern)
-    except ReshardError as e:
+        return find_shards(pattern)
+    except UserError as e:
         raise ReshardError(f"{side}: {e}") from None
 
 

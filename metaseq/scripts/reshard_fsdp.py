@@ -15,13 +15,11 @@ import threading
 from typing import Any
 
 from metaseq.cli_logging import OneLineErrorParser, cli_logging, one_line_error
-from metaseq.reshard.build import DTYPES, consolidate_shards, reshard_shards
+from metaseq.reshard import ReshardError, ReshardOptions, describe_plan, reshard, reshard_fsdp_checkpoints
 from metaseq.reshard.distributed import World, detect_world
-from metaseq.reshard.driver import describe_reshard_plan, reshard_fsdp_checkpoints
-from metaseq.reshard.launch import reshard_model_parts
-from metaseq.reshard.schema import ReshardError
+from metaseq.reshard.options import DTYPES
 
-__all__ = ["ReshardError", "consolidate_shards", "main", "reshard_fsdp_checkpoints", "reshard_shards"]
+__all__ = ["ReshardError", "build_parser", "main", "reshard_fsdp_checkpoints"]
 
 # Named explicitly: under `python -m` __name__ is "__main__", outside the "metaseq" logger main() configures.
 logger = logging.getLogger("metaseq.scripts.reshard_fsdp")
@@ -52,12 +50,11 @@ examples:
     --output "ckpts64/checkpoint_last-model_part-{j}-shard{i}.pt" --num-output-shards 64 --num-workers 1
 
 speed and memory: the tool reads the inputs' pickles itself and copies each tensor's bytes
-file to file (copy_file_range), without importing torch or holding tensors: about the
-speed of cp, about 20 MiB of memory. --output-dtype, --verify, --torch-io and inputs
-with other pickled types go through torch.load/torch.save instead: outputs of 64 MiB
-and more streamed from the mmap-ed inputs, smaller ones built in memory one at a time.
---num-workers K writes K outputs at once (threads when copying directly, processes
-through torch; by default one per CPU, through torch as the memory bound allows).
+file to file (copy_file_range), without holding tensors: about the speed of cp, about
+20 MiB of memory. --output-dtype casts chunk by chunk on the way (torch is imported for
+it); --verify stores CRC32s in the outputs, then re-reads and compares them. Files in
+torch's legacy (non-zip) format are loaded with torch into memory. --num-workers K
+writes K outputs at once, in K threads (default: one per CPU).
 """
 
 TRUE_WORDS = {"true", "1", "yes", "y", "on"}
@@ -111,11 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="check the inputs' CRC32s before writing, then re-read the outputs and check every "
                         "tensor is bit-identical to the inputs (reads the inputs twice more, the outputs once)")
     parser.add_argument("--torch-io", action="store_true",
-                        help="read and write the files with torch.load/torch.save even where the inputs allow "
-                        "copying their bytes directly without torch (slower; the outputs are the same)")
+                        help="deprecated, no effect: every output is written by the same byte-copying writer")
     parser.add_argument("--num-workers", type=_positive_int, default=None, metavar="K",
-                        help="write K output files at once in K processes (default: as many as CPUs and the "
-                        "memory bound allow, see below)")
+                        help="write K output files at once, in K threads (default: one per CPU, at most one "
+                        "per output)")
     parser.add_argument("--dry-run", action="store_true", help="print the plan and write nothing")
     parser.add_argument("--quiet", action="store_true", help="log warnings and errors only")
     return parser
@@ -129,22 +125,12 @@ def _positive_int(text: str) -> int:
 
 
 def _run(args: argparse.Namespace, world: World | None) -> int:
-    kwargs = dict(
-        num_output_shards=args.num_output_shards,
-        unflatten_weights=args.unflatten_weights,
-        skip_optimizer_state=args.skip_optimizer_state,
-        output_dtype=args.output_dtype,
-        drop_metaseq_req=args.drop_metaseq_req,
-        overwrite=args.overwrite,
-        trust_checkpoint=args.trust_checkpoint,
-        direct=not args.torch_io,
-    )
-    plans = reshard_model_parts(
-        args.input_glob_pattern, args.output_shard_name, plan_options=kwargs, num_workers=args.num_workers,
-        verify=args.verify, dry_run=args.dry_run, quiet=args.quiet, world=world,
-    )
+    if args.torch_io:
+        logger.warning("--torch-io has no effect any more (every output is written the same way); "
+                       "it will be removed in release 0.3")
+    plans = reshard(ReshardOptions.from_fields(vars(args)), world=world)
     if args.dry_run and (world is None or world.rank == 0):
-        print("\n".join(line for plan in plans for line in describe_reshard_plan(plan)))  # the answer, on stdout
+        print("\n".join(line for plan in plans for line in describe_plan(plan)))  # the answer, on stdout
     return 0
 
 

@@ -1,0 +1,357 @@
+"""The reshard planner: for every output file, its tensors and the runs of input elements that make them.
+
+    plans = plan_reshard(options)        # one Plan per model part; nothing written
+    obj = assemble_output(plan, out)     # an output's object, tensors pointing at input bytes
+    print("\\n".join(describe_plan(plan)))
+
+Planning finds the inputs, names the outputs, reads every input's pickle once
+(`metaseq.torchzip`: structure and byte positions, no tensor data), checks them against
+each other and the options, and computes every output's tensors once. A tensor of an
+output is a shape, a dtype and `Run`s: blocks of elements of one input tensor, so
+writing is copying bytes. FSDP's flattening and sharding are one way of cutting a
+parameter's elements into runs; every other top-level key is carried from input 0.
+"""
+from __future__ import annotations
+
+import fnmatch
+import glob
+import logging
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from metaseq.errors import ReshardError, UserError
+from metaseq.file_io import find_shards, load_checkpoint
+from metaseq.reshard.layout import ModelLayout, analyze_model, output_metadata
+from metaseq.reshard.optim import (
+    OptimLayout,
+    analyze_optimizer,
+    assemble_consolidated_optimizer,
+    assemble_flat_optimizer,
+    consolidated_optimizer_targets,
+    flat_optimizer_targets,
+)
+from metaseq.reshard.options import ReshardOptions
+from metaseq.reshard.ranges import OutTensor, Run, plan_range, shard_range
+from metaseq.reshard.schema import OPTIM, is_tensor
+from metaseq.torchzip import Copy, DType, NeedsTorch, Size, TensorRef, from_torch, read_checkpoint
+
+__all__ = [
+    "InputFile",
+    "OutFile",
+    "Plan",
+    "Source",
+    "analyze_inputs",
+    "assemble_output",
+    "describe_plan",
+    "expand_model_parts",
+    "output_tensors",
+    "plan_reshard",
+    "plan_structures",
+    "summarize_plan",
+    "tensor_ref",
+]
+
+logger = logging.getLogger(__name__)
+
+PART = "{j}"
+TRUSTED_GLOBALS = frozenset({"argparse.Namespace"})  # outside the tensor format, yet allowed without trust
+
+
+@dataclass(frozen=True)
+class InputFile:
+    path: str  # a label for inputs given in memory
+    size: int  # with mtime_ns: the file must not change between planning and writing (-1: in memory)
+    mtime_ns: int
+    structure: Any  # the checkpoint, tensors as TensorRef
+
+
+@dataclass(frozen=True)
+class Source:
+    model: ModelLayout
+    optim: OptimLayout | None  # None: no optimizer state to reshard (absent, None or skipped)
+
+
+@dataclass(frozen=True)
+class OutFile:
+    path: str
+    rank: int  # output shard index
+    tensors: tuple[OutTensor, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+@dataclass(frozen=True)
+class Plan:
+    options: ReshardOptions
+    inputs: tuple[InputFile, ...]  # ordered by shard index
+    source: Source
+    outputs: tuple[OutFile, ...]
+
+
+def plan_reshard(options: ReshardOptions) -> list[Plan]:
+    """One plan per model part (`{j}` in both names, else one); raises before anything is written."""
+    plans = []
+    for pattern, name in expand_model_parts(options.input_glob_pattern, options.output_shard_name):
+        try:
+            inputs = find_shards(pattern)
+        except UserError as e:
+            raise ReshardError(str(e)) from None
+        logger.info("found %d input shard(s) matching %r", len(inputs), pattern)
+        outputs = output_paths(name, options.num_output_shards, inputs, overwrite=options.overwrite)
+        plans.append(plan_structures(read_inputs(inputs, trust=options.trust_checkpoint), options, outputs))
+    seen: set[str] = set()
+    for path in (out.path for plan in plans for out in plan.outputs):
+        if path in seen:
+            raise ReshardError(f"--output-shard-name: {path} would be written for two model parts; use '{PART}'")
+        seen.add(path)
+    return plans
+
+
+def expand_model_parts(input_glob_pattern: str, output_shard_name: str) -> list[tuple[str, str]]:
+    """(input glob, output name) per model part; `{j}` in both becomes each part number found on disk.
+
+    Without `{j}` this is the one pair given. Part numbers keep their spelling
+    (`model_part-01` stays `01`) and are ordered numerically.
+    """
+    in_has, out_has = PART in input_glob_pattern, PART in output_shard_name
+    if not in_has and not out_has:
+        return [(input_glob_pattern, output_shard_name)]
+    if in_has != out_has:
+        has, lacks = ("--output-shard-name", "--input-glob-pattern") if out_has else (
+            "--input-glob-pattern", "--output-shard-name")
+        raise ReshardError(
+            f"{has} has '{PART}' but {lacks} has not; put '{PART}' (the model part number) in both, e.g. "
+            "'ckpts/checkpoint_last-model_part-{j}-shard*.pt' and 'out/reshard-model_part-{j}.pt'"
+        )
+    found = set()
+    for path in glob.glob(input_glob_pattern.replace(PART, "*")):
+        for digits in set(re.findall(r"\d+", path)):
+            if fnmatch.fnmatchcase(path, input_glob_pattern.replace(PART, digits)):
+                found.add(digits)
+    if not found:
+        raise ReshardError(
+            f"--input-glob-pattern {input_glob_pattern!r} matches no files (with '{PART}' as a model part number)"
+        )
+    parts = sorted(found, key=int)
+    return [(input_glob_pattern.replace(PART, j), output_shard_name.replace(PART, j)) for j in parts]
+
+
+def output_paths(output_shard_name: str, num_output_shards: int, inputs: Sequence[str], *, overwrite: bool) -> list[str]:
+    """`{i}` in the name becomes the output shard index; names must read back in order, never clobber inputs."""
+    if num_output_shards > 1 and "{i}" not in output_shard_name:
+        raise ReshardError(
+            f"--num-output-shards={num_output_shards} but --output-shard-name {output_shard_name!r} has no "
+            "'{i}'; add it where the shard index goes, e.g. 'out/reshard-model_part-0-shard{i}.pt'"
+        )
+    if re.search(r"\d\{i\}|\{i\}\d", output_shard_name):
+        raise ReshardError(
+            f"--output-shard-name {output_shard_name!r}: digits next to '{{i}}' would make the shard index "
+            "unreadable when the files are read back; separate them, e.g. '...-shard{i}.pt'"
+        )
+    outputs = [output_shard_name.replace("{i}", str(i)) for i in range(num_output_shards)]
+    real_inputs = {os.path.realpath(p) for p in inputs}
+    for path in outputs:
+        if os.path.realpath(path) in real_inputs:
+            raise ReshardError(f"--output-shard-name: {path} is also an input; write to another name")
+        if os.path.isdir(path):
+            raise ReshardError(f"--output-shard-name: {path} is a directory; give a file name")
+    existing = [p for p in outputs if os.path.exists(p)]
+    if existing and not overwrite:
+        shown = ", ".join(existing[:3]) + (f", ... ({len(existing)} files)" if len(existing) > 3 else "")
+        raise ReshardError(f"{shown} already exist(s); pass --overwrite to replace")
+    return outputs
+
+
+def read_inputs(paths: Sequence[str], *, trust: bool) -> list[InputFile]:
+    """Every input's structure; files `metaseq.torchzip` cannot read are loaded with torch into memory."""
+    inputs = []
+    for path in paths:
+        stat = os.stat(path)
+        try:
+            structure, found = read_checkpoint(path)
+            unknown = [name for name in found if name not in TRUSTED_GLOBALS]
+        except NeedsTorch as e:
+            logger.info("%s: %s; loading it with torch, into memory", path, e)
+            structure, unknown = from_torch(load_checkpoint(path, trust=trust)), []
+        if not isinstance(structure, dict):
+            kind = "Tensor" if is_tensor(structure) else type(structure).__name__
+            raise ReshardError(f"{path}: expected a dict checkpoint, found {kind}")
+        if unknown and not trust:
+            raise ReshardError(
+                f"{path}: refusing to unpickle a type outside the checkpoint format (it contains "
+                f"{unknown[0]}); if you trust this file, pass --trust-checkpoint"
+            )
+        inputs.append(InputFile(path, stat.st_size, stat.st_mtime_ns, structure))
+    return inputs
+
+
+def plan_structures(inputs: Sequence[InputFile], options: ReshardOptions, outputs: Sequence[str]) -> Plan:
+    """The plan for inputs already read (ordered by shard index) into the files named `outputs`."""
+    source = analyze_inputs([i.structure for i in inputs], [i.path for i in inputs], options)
+    files = tuple(OutFile(path, r, tuple(output_tensors(source, options, r))) for r, path in enumerate(outputs))
+    plan = Plan(options, tuple(inputs), source, files)
+    for out in files:
+        for tensor in out.tensors:
+            for run in tensor.runs:
+                _check_source(plan, run)
+    if files:
+        assemble_output(plan, files[0])  # carried values that cannot be written fail now, not halfway
+    return plan
+
+
+def _check_source(plan: Plan, run: Run) -> None:
+    src = _resolve(plan.inputs[run.input].structure, run.path)
+    if not is_tensor(src) or not src.is_contiguous():
+        name = ".".join(map(str, run.path))
+        raise ReshardError(f"{plan.inputs[run.input].path}: {name} is a view of another tensor's storage, "
+                           "not a tensor of its own; such files cannot be resharded")
+
+
+def analyze_inputs(structures: Sequence[Mapping[str, Any]], labels: Sequence[str], options: ReshardOptions) -> Source:
+    """Validate the inputs (ordered by rank) against each other and the options; no tensor data is read."""
+    if not structures:
+        raise ReshardError("no input shards")
+    model = analyze_model(structures, labels)
+    optim = None if options.skip_optimizer_state else analyze_optimizer(structures, model)
+    if optim is not None and options.unflatten_weights and optim.num_param_groups != 1:
+        raise ReshardError(
+            f"{labels[0]}: {OPTIM} has {optim.num_param_groups} param groups but fairscale's consolidated "
+            "layout (--unflatten-weights) supports one; pass --skip-optimizer-state"
+        )
+    extra_state = structures[0].get("extra_state")
+    if options.drop_metaseq_req and extra_state is not None and not isinstance(extra_state, Mapping):
+        raise ReshardError(f"{labels[0]}: extra_state is a {type(extra_state).__name__}, not a dict; drop --drop-metaseq-req")
+    return Source(model, optim)
+
+
+def output_tensors(source: Source, options: ReshardOptions, rank: int) -> list[OutTensor]:
+    """Every tensor of output shard `rank`: its shape, dtype and the input runs to copy."""
+    model, targets, unflatten = source.model, [], options.unflatten_weights
+    for k, fp in enumerate(model.flat_params):
+        dtype = _cast(model.dtypes[k], options.dtype)
+        if unflatten:
+            for name, shape, (start, end) in zip(fp.names, fp.shapes, fp.ranges()):
+                targets.append(OutTensor(("model", name), shape, dtype, plan_range(model.sources[k], start, end)))
+        else:
+            start, end, padded_len = shard_range(fp.numel, options.num_output_shards, rank)
+            runs = plan_range(model.sources[k], start, end)
+            targets.append(OutTensor(("model", fp.key), Size([padded_len]), dtype, runs))
+    for extra in model.extras:  # buffers: copied (compact) from input 0
+        if extra.shape is not None:
+            n = extra.shape.numel()
+            runs = (Run(0, ("model", extra.actual_key), 0, 0, n),) if n else ()
+            targets.append(OutTensor(("model", extra.key), extra.shape, _cast(extra.dtype, options.dtype), runs))
+    if source.optim is not None and unflatten:
+        targets += consolidated_optimizer_targets(source.optim, model)
+    elif source.optim is not None:
+        targets += flat_optimizer_targets(source.optim, model, options.num_output_shards, rank)
+    return targets
+
+
+def _cast(dtype: DType, output_dtype: DType | None) -> DType:
+    return output_dtype if output_dtype is not None and dtype.is_floating_point else dtype
+
+
+def _resolve(obj: Any, path: Sequence[Any]) -> Any:
+    for key in path:
+        obj = obj[key]
+    return obj
+
+
+def tensor_ref(tensor: OutTensor, inputs: Sequence[InputFile]) -> TensorRef:
+    """A new tensor whose storage is filled from the runs' bytes in the inputs (cast where dtypes differ)."""
+    out = TensorRef.empty(tensor.shape, tensor.dtype)
+    for run in tensor.runs:
+        src = _resolve(inputs[run.input].structure, run.path)  # contiguous: checked while planning
+        source, offset = src.storage.locate(src.storage_offset + run.start)
+        out.storage.copies.append(Copy(source, offset, run.offset * tensor.dtype.itemsize, run.length, src.dtype))
+    return out
+
+
+def assemble_output(plan: Plan, out: OutFile) -> dict[str, Any]:
+    """Output `out`'s object: fresh compact tensors, every other top-level key from input 0."""
+    source, options = plan.source, plan.options
+    tensors = {t.path: tensor_ref(t, plan.inputs) for t in out.tensors}
+    result: dict[str, Any] = {}
+    for key, value in plan.inputs[0].structure.items():
+        if key == "model":
+            result[key] = _assemble_model(source.model, options, value, tensors)
+        elif key == "shard_metadata":
+            result[key] = output_metadata(source.model, _paddings(source.model, options, out.rank))
+        elif key == OPTIM and options.skip_optimizer_state:
+            continue
+        elif key == OPTIM and source.optim is not None and options.unflatten_weights:
+            result[key] = assemble_consolidated_optimizer(value, source.optim, source.model, tensors)
+        elif key == OPTIM and source.optim is not None:
+            result[key] = assemble_flat_optimizer(value, source.optim, source.model, tensors, out.rank)
+        elif key == "extra_state" and options.drop_metaseq_req and value is not None:
+            result[key] = {**value, "train_iterator": None}
+        else:
+            result[key] = value
+    if options.drop_metaseq_req and result.get("extra_state") is None:
+        result["extra_state"] = {"train_iterator": None}
+    return result
+
+
+def _assemble_model(model: ModelLayout, options: ReshardOptions, model0: Mapping[str, Any], tensors: dict) -> dict:
+    out: dict[str, Any] = {}
+    for fp in model.flat_params:
+        for key in fp.names if options.unflatten_weights else (fp.key,):
+            out[key] = tensors[("model", key)]
+    if options.unflatten_weights:
+        for src, dst in model.ties:  # the same tensor: saved once, loaded as a tie
+            out[dst] = out[src]
+    for extra in model.extras:
+        out[extra.key] = tensors[("model", extra.key)] if extra.shape is not None else model0[extra.actual_key]
+    return out
+
+
+def _paddings(model: ModelLayout, options: ReshardOptions, rank: int) -> list[int]:
+    if options.unflatten_weights:
+        return [0] * len(model.flat_params)
+    paddings = []
+    for fp in model.flat_params:
+        start, end, padded_len = shard_range(fp.numel, options.num_output_shards, rank)
+        paddings.append(padded_len - (end - start))
+    return paddings
+
+
+def summarize_plan(plan: Plan) -> str:
+    """`8 shard(s) -> 2 flat shard(s); optimizer state kept; dtype unchanged`."""
+    opts = plan.options
+    form = "unflattened" if opts.unflatten_weights else "flat"
+    src = "1 unflattened input" if plan.source.model.unflattened else f"{len(plan.inputs)} shard(s)"
+    optim = "dropped" if opts.skip_optimizer_state else ("kept" if plan.source.optim else "none")
+    dtype = opts.dtype.name if opts.dtype else "unchanged"
+    return f"{src} -> {opts.num_output_shards} {form} shard(s); optimizer state {optim}; dtype {dtype}"
+
+
+def describe_plan(plan: Plan) -> list[str]:
+    """Human-readable plan: inputs, N -> M, per output its tensor bytes and the input ranges it reads."""
+    lines = [f"inputs ({len(plan.inputs)}):"] + [f"  {i.path}" for i in plan.inputs]
+    lines.append(f"plan: {summarize_plan(plan)}")
+    for out in plan.outputs:
+        lines.append(f"output {out.rank}: {out.path} ({out.nbytes} bytes of tensors)")
+        lines += [f"  reads {plan.inputs[r].path}: {text}" for r, text in _reads(out.tensors).items()]
+    return lines
+
+
+def _reads(tensors: Sequence[OutTensor], limit: int = 4) -> dict[int, str]:
+    """Per input: the model tensors and [start, end) element ranges read from them."""
+    spans: dict[int, dict[str, list[int]]] = {}
+    for t in tensors:
+        for r in t.runs:
+            if r.path[0] != "model":
+                continue
+            span = spans.setdefault(r.input, {}).setdefault(r.path[-1], [r.start, r.start + r.length])
+            span[0], span[1] = min(span[0], r.start), max(span[1], r.start + r.length)
+    out = {}
+    for index in sorted(spans):
+        items = [f"{key}[{lo}:{hi})" for key, (lo, hi) in spans[index].items()]
+        more = f" (+{len(items) - limit} more)" if len(items) > limit else ""
+        out[index] = ", ".join(items[:limit]) + more
+    return out

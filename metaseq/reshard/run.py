@@ -1,0 +1,148 @@
+"""The orchestrator: plan, check, write and verify a reshard run, alone or across launcher ranks.
+
+    plans = reshard(ReshardOptions(input_glob_pattern="ckpts/checkpoint_last-model_part-{j}-shard*.pt",
+                                   output_shard_name="out/checkpoint_last-model_part-{j}-shard{i}.pt",
+                                   num_output_shards=4))
+
+Under torchrun or srun (`world`), every rank plans (reading the inputs' pickles), then
+writes the outputs whose index % world size is its rank; every phase ends with the
+ranks agreeing that it succeeded, so a failure anywhere fails every rank alike and
+removes what was written. `reshard_shards` and `consolidate_shards` do the same
+planning on checkpoint dicts already in memory, for loaders that hold them.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Mapping, Sequence
+
+from metaseq.errors import ReshardError
+from metaseq.reshard import distributed as dist_run
+from metaseq.reshard.distributed import World
+from metaseq.reshard.options import ReshardOptions
+from metaseq.reshard.plan import InputFile, Plan, assemble_output, plan_reshard, plan_structures, summarize_plan
+from metaseq.reshard.progress import make_progress
+from metaseq.reshard.write import Job, available_cpus, list_jobs, remove_outputs, write_outputs
+from metaseq.torchzip import from_torch, to_torch
+
+__all__ = ["consolidate_shards", "reshard", "reshard_fsdp_checkpoints", "reshard_shards"]
+
+logger = logging.getLogger(__name__)
+
+
+def reshard(options: ReshardOptions, *, world: World | None = None) -> list[Plan]:
+    """Plan every model part, then (unless `options.dry_run`) write and verify; returns the plans.
+
+    Raises ReshardError (or CheckpointLoadError) before writing anything when inputs or
+    options are wrong; a failure while writing or verifying removes this run's outputs.
+    """
+    if world is None:
+        plans = plan_reshard(options)
+        if not options.dry_run:
+            _check_inputs(plans, options)
+            written = _write(plans, list_jobs(plans), options, cpus=available_cpus())
+            _guard(written, lambda: _verify(plans, options))
+        return plans
+    created = dist_run.open_world(world)
+    try:
+        plans = dist_run.agree(world, lambda: plan_reshard(options))
+        if not options.dry_run:
+            _run_on_world(world, plans, options)
+        return plans
+    finally:
+        dist_run.close_world(created)
+
+
+def _check_inputs(plans: Sequence[Plan], options: ReshardOptions) -> None:
+    if options.verify:
+        from metaseq.reshard.verify import check_input_checksums
+
+        for plan in plans:
+            check_input_checksums(plan)  # before writing: a corrupt input writes nothing
+
+
+def _write(plans: Sequence[Plan], jobs: Sequence[Job], options: ReshardOptions, *, cpus: int,
+           label: str = "reshard", quiet: bool = False) -> list[str]:
+    """Write `jobs`, all or nothing; returns the paths written."""
+    for plan in plans:
+        into = f" into {plan.outputs[0].path}{', ...' if len(plan.outputs) > 1 else ''}" if len(plans) > 1 else ""
+        logger.info("resharding %s%s", summarize_plan(plan), into)
+    workers = options.num_workers or max(1, min(cpus, len(jobs)))
+    progress = make_progress(sum(j.out.nbytes for j in jobs), len(jobs), quiet=options.quiet or quiet, label=label)
+    return write_outputs(jobs, num_workers=workers, progress=progress, crc32=options.verify)
+
+
+def _verify(plans: Sequence[Plan], options: ReshardOptions) -> None:
+    """`--verify` after writing; on failure `verify_reshard_outputs` removes that part's outputs."""
+    if options.verify:
+        from metaseq.reshard.verify import verify_reshard_outputs  # imports torch
+
+        for plan in plans:
+            logger.info("%s", verify_reshard_outputs(plan))
+
+
+def _guard(written: Sequence[str], step: Callable[[], None]) -> None:
+    """Run `step`; if it fails, remove the outputs written before raising."""
+    try:
+        step()
+    except BaseException:
+        remove_outputs(written)
+        raise
+
+
+def _run_on_world(world: World, plans: Sequence[Plan], options: ReshardOptions) -> None:
+    """Rank r writes jobs r, r + size, ...; every phase ends with the ranks agreeing that it succeeded."""
+    jobs = list_jobs(plans)
+    mine = [j for j in jobs if j.index % world.size == world.rank]
+    shared = plans[world.rank :: world.size]  # --verify work, spread by part
+    dist_run.agree(world, lambda: _check_inputs(shared, options))
+    written: list[str] = []
+    try:
+        cpus, label = available_cpus(world.local_size), f"rank 0 of {world.size}"
+        quiet = world.rank != 0  # one progress display: rank 0's
+        dist_run.agree(world, lambda: written.extend(_write(plans, mine, options, cpus=cpus, label=label,
+                                                            quiet=quiet)))
+        dist_run.agree(world, lambda: _verify(shared, options))
+    except ReshardError:  # raised by `agree` on every rank alike
+        remove_outputs(written)
+        dist_run.barrier()  # no rank exits (and gets the launcher to kill the rest) before all have cleaned up
+        raise
+    except BaseException:
+        remove_outputs(written)
+        raise
+    logger.info("%d ranks wrote %d file(s)", world.size, len(jobs))
+
+
+def reshard_fsdp_checkpoints(input_glob_pattern: str, output_shard_name: str, **options: Any) -> list[str]:
+    """Keyword form of `reshard` for one run (kept for the deprecated shims); returns the output paths.
+
+    Example: 4 training shards -> one inference file with original parameter names:
+        reshard_fsdp_checkpoints("ckpts/checkpoint_last-model_part-0-shard*.pt",
+                                 "out/reshard-model_part-0.pt",
+                                 unflatten_weights=True, skip_optimizer_state=True)
+    `options` are `ReshardOptions` fields.
+    """
+    opts = ReshardOptions(input_glob_pattern=input_glob_pattern, output_shard_name=output_shard_name, **options)
+    return [out.path for plan in reshard(opts) for out in plan.outputs]
+
+
+def reshard_shards(shard_dicts: Sequence[Mapping[str, Any]], **options: Any) -> list[dict[str, Any]]:
+    """In-memory N -> M reshard of checkpoint dicts (torch tensors) ordered by rank; inputs are not modified.
+
+    `options` are `ReshardOptions` fields. Non-tensor entries (cfg, extra_state, ...) are
+    shared with shard_dicts[0], not copied; tensors are new.
+    """
+    opts = ReshardOptions(**options)
+    inputs = [InputFile(f"shard {r}", -1, 0, from_torch(d, opaque=False)) for r, d in enumerate(shard_dicts)]
+    names = [f"output {r}" for r in range(opts.num_output_shards)]
+    plan = plan_structures(inputs, opts, names)
+    return [to_torch(assemble_output(plan, out)) for out in plan.outputs]
+
+
+def consolidate_shards(shard_dicts: Sequence[Mapping[str, Any]], *, unflatten: bool = True,
+                       skip_optimizer_state: bool = True) -> dict[str, Any]:
+    """One consolidated checkpoint dict from all shards of one model part (ordered by rank).
+
+    With `unflatten`, `model` holds original parameter names and shapes (tied
+    parameters included, sharing one tensor) plus buffers, ready for a non-FSDP model.
+    """
+    return reshard_shards(shard_dicts, unflatten_weights=unflatten, skip_optimizer_state=skip_optimizer_state)[0]

@@ -1,0 +1,142 @@
+"""The one writer: every planned output file, written atomically by copying its runs' bytes.
+
+    written = write_outputs(jobs, num_workers=4, progress=progress)   # all or nothing
+
+Each output's object is assembled from its plan (`assemble_output`) and written with
+`metaseq.torchzip.write_checkpoint`: tensor bytes go file to file in the kernel, cast
+chunk by chunk where `--output-dtype` asks. The kernel holds no GIL while copying, so
+K outputs are written by K threads of this process, and memory stays the interpreter's
+plus the pickles. A failure anywhere removes every output of the call before the error
+is raised.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from typing import NamedTuple, Sequence
+
+from metaseq.errors import ReshardError
+from metaseq.file_io import atomic_output, remove_stale_temp_files
+from metaseq.reshard.plan import OutFile, Plan, assemble_output
+from metaseq.reshard.progress import Progress
+from metaseq.torchzip import write_checkpoint
+
+__all__ = ["Job", "available_cpus", "list_jobs", "remove_outputs", "write_outputs"]
+
+
+class Job(NamedTuple):
+    """One output file of a run."""
+
+    index: int  # position in the run's job list; under torchrun, rank index % world writes it
+    plan: Plan
+    out: OutFile
+
+
+def list_jobs(plans: Sequence[Plan]) -> list[Job]:
+    """Every output of every plan, part by part, in shard order."""
+    outs = [(plan, out) for plan in plans for out in plan.outputs]
+    return [Job(i, plan, out) for i, (plan, out) in enumerate(outs)]
+
+
+def available_cpus(processes_per_node: int = 1) -> int:
+    """CPUs this process may use (its affinity mask, e.g. a Slurm allocation), shared by `processes_per_node`."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    return max(1, cpus // max(1, processes_per_node))
+
+
+def write_outputs(jobs: Sequence[Job], *, num_workers: int = 1, progress: Progress | None = None,
+                  crc32: bool = False) -> list[str]:
+    """Write every job's file with `num_workers` threads; returns the paths written.
+
+    On any error (or interrupt) every file this call wrote is removed, then the error is raised.
+    `crc32`: store zip CRC32s of the tensor records too (`--verify`).
+    """
+    progress = progress or Progress(sum(j.out.nbytes for j in jobs), len(jobs))
+    paths = [j.out.path for j in jobs]
+    before = _file_ids(paths)
+    written: list[str] = []
+    lock = threading.Lock()
+
+    def run(job: Job) -> None:
+        def report(nbytes: int) -> None:
+            with lock:
+                progress.advance(job.index, nbytes)
+
+        size = _write_one(job, crc32, report)
+        with lock:
+            written.append(job.out.path)
+            progress.finish(job.index, job.out.nbytes, job.out.path, size)
+
+    try:
+        if num_workers <= 1 or len(jobs) <= 1:
+            for job in jobs:
+                run(job)
+        else:
+            _run_in_threads(run, jobs, min(num_workers, len(jobs)))
+    except BaseException:
+        # Also outputs renamed into place just before the error, not yet in `written`.
+        now = _file_ids(paths)
+        remove_outputs([p for p in paths if now[p] is not None and now[p] != before[p]], paths)
+        raise
+    finally:
+        progress.close()
+    return written
+
+
+def _write_one(job: Job, crc32: bool, report: object) -> int:
+    """Write one output atomically; returns its size."""
+    for item in job.plan.inputs:
+        if item.size < 0:  # given in memory
+            continue
+        stat = os.stat(item.path)
+        if (stat.st_size, stat.st_mtime_ns) != (item.size, item.mtime_ns):
+            raise ReshardError(f"{item.path} changed while resharding (size or time differ from planning); rerun")
+    obj = assemble_output(job.plan, job.out)
+    try:
+        with atomic_output(job.out.path) as (f, _):
+            return write_checkpoint(f.fileno(), obj, crc32=crc32, report=report)
+    except OSError as e:
+        raise ReshardError(f"{job.out.path}: cannot write ({e.strerror or e})") from e
+
+
+def _run_in_threads(run: object, jobs: Sequence[Job], num_workers: int) -> None:
+    with ThreadPoolExecutor(num_workers, thread_name_prefix="reshard-writer") as pool:
+        futures = [pool.submit(run, job) for job in jobs]
+        try:
+            wait(futures, return_when=FIRST_EXCEPTION)
+            for future in futures:
+                if future.done() and future.exception() is not None:
+                    raise future.exception()
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            wait(futures)  # the running copies finish; their files are then removed with the rest
+            raise
+
+
+def _file_ids(paths: Sequence[str]) -> dict[str, tuple[int, int] | None]:
+    """(device, inode) per existing path: a file this run renamed into place has a new one."""
+    ids: dict[str, tuple[int, int] | None] = {}
+    for path in paths:
+        try:
+            stat = os.stat(path)
+        except OSError:
+            ids[path] = None
+        else:
+            ids[path] = (stat.st_dev, stat.st_ino)
+    return ids
+
+
+def remove_outputs(written: Sequence[str], planned: Sequence[str] = ()) -> None:
+    """Remove the files written, and temp files that killed writers of `planned` paths left."""
+    for path in written:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    for path in planned:
+        with contextlib.suppress(OSError):
+            remove_stale_temp_files(path)
