@@ -10,7 +10,7 @@ from metaseq.cli import train
 from metaseq.file_io import load_checkpoint
 from metaseq.models.partition import merge_state_dicts, partition_dim, split_param, split_state_dict
 from metaseq.models.transformer_lm import ModelConfig, build_model
-from mp_harness import FIXED_TOKENS, MP_MODEL_FLAGS, inspect_checkpoint, run_train_mp
+from mp_harness import FIXED_TOKENS, MOMENTS, MP_MODEL_FLAGS, inspect_checkpoint, run_train_mp
 from training import CORPUS, REPO, losses
 
 UPDATES = 4
@@ -114,6 +114,22 @@ def test_consolidated_part_files_restore_at_another_data_parallel_size(runs, tmp
     assert sorted(resumed) == [3, 4]
     for update in (3, 4):
         assert abs(resumed[update] - uninterrupted[update]) < 1e-6
+    # The harness loads consolidated parts as training does, and gives back what the files hold.
+    seen = inspect_checkpoint(out / "reshard-model_part-0.pt", model_parallel_size=2, out_path=tmp_path / "seen.pt")
+    files = [load_checkpoint(out / f"reshard-model_part-{j}.pt") for j in (0, 1)]
+    expected = {"model": merge_state_dicts([f["model"] for f in files])}
+    expected.update({key: merge_state_dicts([_consolidated_moments(f, key) for f in files]) for key in MOMENTS})
+    for key, tensors in expected.items():
+        for name, tensor in tensors.items():
+            assert torch.equal(seen[key][name], tensor), (key, name)
+    assert seen["step"] == 2
+
+
+def _consolidated_moments(ckpt, key: str) -> dict:
+    """{parameter name: moment} of fairscale's consolidated optimizer layout (ids in metadata order)."""
+    names = [f"{m['fsdp_path']}.{n}".lstrip(".") for m in ckpt["shard_metadata"]["param_metadata"]
+             for n in m["params"]["flat_param_0"]["names"]]
+    return {names[i]: state[key] for i, state in ckpt["last_optimizer_state"]["state"].items()}
 
 
 def test_harness_merges_parts_into_the_p1_model_and_moments(runs, tmp_path):
