@@ -13,12 +13,11 @@ import logging
 import os
 import re
 import tempfile
-import zlib
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator, Sequence
 
 from metaseq.errors import CheckpointLoadError, UserError
-from metaseq.torchzip import CHUNK_BYTES, NeedsTorch, zip_records
+from metaseq.torchzip import NeedsTorch, check_record, zip_records
 
 __all__ = [
     "CheckpointLoadError",
@@ -319,15 +318,8 @@ def check_checkpoint_crc(path: str | os.PathLike, *, tensors: bool = True) -> in
         return None
     checked = 0
     with open(path, "rb") as f:
-        for name, (offset, size, crc) in records.items():
-            if crc == 0 or (not tensors and name.startswith("data/")):
-                continue
-            found = 0
-            for start in range(0, size, CHUNK_BYTES):
-                found = zlib.crc32(os.pread(f.fileno(), min(CHUNK_BYTES, size - start), offset + start), found)
-            if found != crc:
-                raise CheckpointLoadError(
-                    f"{path}: corrupt checkpoint (record {name} fails its CRC32 check); restore the file from a good copy"
-                )
-            checked += size
+        for name, record in records.items():
+            if record.crc and (tensors or not name.startswith("data/")):
+                check_record(f.fileno(), path, name, record)
+                checked += record.size
     return checked

@@ -16,7 +16,6 @@ The model is rebuilt from the checkpoint's `cfg["model"]`, so no size flags are 
 """
 from __future__ import annotations
 
-import glob
 import logging
 import os
 import re
@@ -26,8 +25,8 @@ from typing import Any, Collection, Mapping
 import torch
 import torch.nn.functional as F
 
-from metaseq.checkpoint_utils import restore_prefix
-from metaseq.file_io import load_checkpoint, natural_sort_key
+from metaseq.errors import UserError
+from metaseq.file_io import find_shards, load_checkpoint, shard_glob
 from metaseq.hf.errors import ConversionError
 from metaseq.hf.names import upstream_state_for_model
 from metaseq.hf.tokenization import ByteTokenizer, TextTokenizer
@@ -57,7 +56,6 @@ logger = logging.getLogger(__name__)
 NEWLINE = encode("\n", bos=False)[0]
 _FLAT_KEY = re.compile(r"(^|\.)flat_param_\d+$")
 _GLOB_CHARS = re.compile(r"[*?\[]")
-_SHARD_INDEX = re.compile(r"-shard(\d+)\.pt$")
 _SHOWN_KEYS = 6
 
 
@@ -92,19 +90,14 @@ def resolve_checkpoint_files(path: str) -> tuple[list[str], bool]:
     """
     if _GLOB_CHARS.search(path) is None and os.path.isfile(path):
         return [path], False
-    pattern = path if _GLOB_CHARS.search(path) else f"{glob.escape(restore_prefix(path))}-model_part-0-shard*.pt"
-    files = sorted(glob.glob(pattern), key=natural_sort_key)
-    if not files:
+    pattern = path if _GLOB_CHARS.search(path) else shard_glob(path)
+    try:
+        files = find_shards(pattern, flag="--path")
+    except UserError as e:
         raise InferenceLoadError(
-            f"--path {path}: no such file, and no shard files match {pattern}; pass a consolidated "
-            "file (reshard-model_part-0.pt), a shard glob or a stem such as DIR/checkpoint_last.pt"
-        )
-    indices = [int(m.group(1)) if (m := _SHARD_INDEX.search(f)) else None for f in files]
-    if indices != list(range(len(files))):
-        raise InferenceLoadError(
-            f"--path {path}: {len(files)} files match {pattern} but their shard indices are {indices}, "
-            f"not 0..{len(files) - 1}; is a shard missing, or does the glob mix checkpoints?"
-        )
+            f"--path {path}: {e}; pass a consolidated file (reshard-model_part-0.pt), all shards of one "
+            "checkpoint as a glob, or a stem such as DIR/checkpoint_last.pt"
+        ) from None
     return files, True
 
 

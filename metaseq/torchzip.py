@@ -23,6 +23,7 @@ from __future__ import annotations
 import codecs
 import collections
 import contextlib
+import dataclasses
 import errno
 import io
 import os
@@ -44,6 +45,7 @@ __all__ = [
     "Size",
     "Storage",
     "TensorRef",
+    "check_record",
     "copy_file_range_all",
     "dtype_by_name",
     "from_torch",
@@ -76,26 +78,25 @@ class DType:
     itemsize: int
     is_floating_point: bool
     storage: str  # torch's legacy storage class, the pickle's type tag
+    code: str  # struct format of one element ("" for bfloat16: the upper half of a float32)
 
     def __repr__(self) -> str:
         return f"torch.{self.name}"
 
 
 _DTYPES = [
-    DType("float32", 4, True, "FloatStorage"),
-    DType("float64", 8, True, "DoubleStorage"),
-    DType("float16", 2, True, "HalfStorage"),
-    DType("bfloat16", 2, True, "BFloat16Storage"),
-    DType("int64", 8, False, "LongStorage"),
-    DType("int32", 4, False, "IntStorage"),
-    DType("int16", 2, False, "ShortStorage"),
-    DType("int8", 1, False, "CharStorage"),
-    DType("uint8", 1, False, "ByteStorage"),
-    DType("bool", 1, False, "BoolStorage"),
+    DType("float32", 4, True, "FloatStorage", "f"),
+    DType("float64", 8, True, "DoubleStorage", "d"),
+    DType("float16", 2, True, "HalfStorage", "e"),
+    DType("bfloat16", 2, True, "BFloat16Storage", ""),
+    DType("int64", 8, False, "LongStorage", "q"),
+    DType("int32", 4, False, "IntStorage", "i"),
+    DType("int16", 2, False, "ShortStorage", "h"),
+    DType("int8", 1, False, "CharStorage", "b"),
+    DType("uint8", 1, False, "ByteStorage", "B"),
+    DType("bool", 1, False, "BoolStorage", "?"),
 ]
 _BY_NAME = {d.name: d for d in _DTYPES}
-_STRUCT_CODES = {"float32": "f", "float64": "d", "float16": "e", "int64": "q", "int32": "i", "int16": "h",
-                 "int8": "b", "uint8": "B", "bool": "?"}
 
 
 def dtype_by_name(name: str) -> DType:
@@ -195,9 +196,7 @@ class TensorRef:
         if isinstance(source, str):
             raise ValueError("value() of a tensor whose bytes were not read")
         data = bytes(source[offset : offset + self.dtype.itemsize])
-        if self.dtype.name == "bfloat16":  # the upper half of a float32
-            return struct.unpack("<f", b"\0\0" + data)[0]
-        return struct.unpack("<" + _STRUCT_CODES[self.dtype.name], data)[0]
+        return struct.unpack("<" + (self.dtype.code or "f"), data if self.dtype.code else b"\0\0" + data)[0]
 
     @classmethod
     def empty(cls, shape: Sequence[int], dtype: DType) -> TensorRef:
@@ -214,16 +213,14 @@ def _contiguous(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-_NO_STATE = object()
-
-
 class Opaque:
     """An object of a global the reader does not resolve, kept as its pickle built it.
 
     One subclass per global and file (`module`, `qualname`); the class itself stands for
     the global where a pickle uses it as a value. An instance holds the `args` of the
-    REDUCE (`called`) or NEWOBJ that made it, the `state` BUILD gave it, and the `items`
-    and `entries` APPENDS and SETITEMS added. Nothing of the original class runs.
+    REDUCE (`called`) or NEWOBJ that made it, the `state` BUILD gave it (None: no BUILD),
+    and the `items` and `entries` APPENDS and SETITEMS added. Nothing of the original
+    class runs.
     """
 
     module: ClassVar[str] = ""
@@ -233,7 +230,7 @@ class Opaque:
         if kwargs:
             raise NeedsTorch(f"{cls.module}.{cls.qualname} made with keyword arguments")
         obj = object.__new__(cls)
-        obj.args, obj.called, obj.state, obj.items, obj.entries = args, False, _NO_STATE, [], []
+        obj.args, obj.called, obj.state, obj.items, obj.entries = args, False, None, [], []
         return obj
 
     def __init__(self, *args: Any) -> None:
@@ -250,10 +247,6 @@ class Opaque:
 
     def __setitem__(self, key: Any, value: Any) -> None:
         self.entries.append((key, value))
-
-    @property
-    def has_state(self) -> bool:
-        return self.state is not _NO_STATE
 
     def __repr__(self) -> str:
         return f"<{self.module}.{self.qualname} (carried, not loaded)>"
@@ -319,9 +312,7 @@ def _records(f: Any, infos: list[zipfile.ZipInfo], file_size: int, path: str) ->
 def corrupt(path: str, error: BaseException) -> CheckpointLoadError:
     """The one-line error for a damaged zip checkpoint."""
     text = str(error).strip().splitlines()[0][:160] if str(error).strip() else ""
-    if text.startswith("Bad CRC-32 for file "):
-        detail = f"record {text.split(chr(39))[1].split('/', 1)[-1]} fails its CRC32 check"
-    elif text == "File is not a zip file":
+    if text == "File is not a zip file":
         detail = "no zip directory at its end, so it is truncated"
     elif isinstance(error, UnicodeDecodeError):
         detail = "a garbled record name in its zip directory"
@@ -330,15 +321,24 @@ def corrupt(path: str, error: BaseException) -> CheckpointLoadError:
     return CheckpointLoadError(f"{path}: corrupt checkpoint ({detail}); restore the file from a good copy")
 
 
-def _read_small(fd: int, path: str, records: dict[str, Record], name: str) -> bytes:
-    """A small record's bytes, checked against its CRC32."""
-    offset, size, crc = records[name]
-    data = os.pread(fd, size, offset)
-    if len(data) != size or (crc and zlib.crc32(data) != crc):
+def check_record(fd: int, path: str, name: str, record: Record, *, keep: bool = False) -> bytes:
+    """Read a record and check it against its CRC32 (unless the writer stored none); its bytes if `keep`."""
+    offset, size, crc = record
+    data = os.pread(fd, size, offset) if keep else b""
+    found = zlib.crc32(data) if keep else crc32_of(fd, offset, size) if crc else 0
+    if (keep and len(data) != size) or (crc and found != crc):
         raise CheckpointLoadError(
             f"{path}: corrupt checkpoint (record {name} fails its CRC32 check); restore the file from a good copy"
         )
     return data
+
+
+def crc32_of(fd: int, offset: int, size: int) -> int:
+    """CRC32 of `size` bytes of a file, read chunk by chunk."""
+    crc = 0
+    for start in range(0, size, CHUNK_BYTES):
+        crc = zlib.crc32(os.pread(fd, min(CHUNK_BYTES, size - start), offset + start), crc)
+    return crc
 
 
 def _rebuild_tensor(storage: Storage, storage_offset: int, size: tuple, stride: tuple, requires_grad: bool,
@@ -368,8 +368,7 @@ _GLOBALS: dict[tuple[str, str], Callable[[], Any]] = {
     ("_codecs", "encode"): lambda: lambda text, encoding="utf-8": codecs.encode(text, encoding),  # bytes
 }
 _GLOBALS.update({("torch", d.storage): (lambda d=d: _StorageTag(d)) for d in _DTYPES})
-_GLOBALS.update({("torch", d.name): (lambda d=d: DType(d.name, d.itemsize, d.is_floating_point, d.storage))
-                 for d in _DTYPES})
+_GLOBALS.update({("torch", d.name): (lambda d=d: dataclasses.replace(d)) for d in _DTYPES})
 
 
 class _Unpickler(pickle.Unpickler):
@@ -397,7 +396,7 @@ class _Unpickler(pickle.Unpickler):
                 raise pickle.UnpicklingError(f"storage {key}: record of {size} bytes for {numel} elements")
             source: str | bytes = self.path
             if 0 < size <= SMALL_BYTES:  # small values (e.g. `step`) are read now: value() needs no file
-                source, offset = _read_small(self.fd, self.path, self.records, f"data/{key}"), 0
+                source, offset = check_record(self.fd, self.path, f"data/{key}", self.records[f"data/{key}"], keep=True), 0
             storage = Storage(tag.dtype, size)
             if size:
                 storage.copies.append(Copy(source, offset, 0, numel, tag.dtype))
@@ -415,9 +414,10 @@ def read_checkpoint(path: str) -> tuple[Any, list[str]]:
     if "data.pkl" not in records:
         raise NeedsTorch("no data.pkl record")
     with open(path, "rb") as f:
-        if "byteorder" in records and _read_small(f.fileno(), path, records, "byteorder") != b"little":
+        if "byteorder" in records and check_record(f.fileno(), path, "byteorder", records["byteorder"], keep=True) != b"little":
             raise NeedsTorch("big-endian file")
-        unpickler = _Unpickler(_read_small(f.fileno(), path, records, "data.pkl"), records, path, f.fileno())
+        pkl = check_record(f.fileno(), path, "data.pkl", records["data.pkl"], keep=True)
+        unpickler = _Unpickler(pkl, records, path, f.fileno())
         try:
             obj = unpickler.load()
         except (NeedsTorch, CheckpointLoadError):
@@ -710,7 +710,7 @@ class _Pickler:
         self._memoize(obj)
         self._items(obj.items, b"e")
         self._entries(obj.entries)
-        if obj.has_state:
+        if obj.state is not None:  # pickle writes BUILD only for a state that is not None
             self._save(obj.state)
             self.out += b"b"
 
@@ -839,7 +839,7 @@ def write_checkpoint(fd: int, obj: Any, *, archive: str = "archive", crc32: bool
             os.close(src)
     if crc32:
         for entry in (e for e in entries if e.storage is not None):
-            entry.crc = _crc_of(fd, entry.data_offset, entry.size)
+            entry.crc = crc32_of(fd, entry.data_offset, entry.size)
     for entry in entries:
         pwrite_all(fd, _local_header(entry), entry.header_offset)
     cd = b"".join(_central_entry(e) for e in entries)
@@ -861,13 +861,6 @@ def _copy_chunks(copy: Copy, src: int, fd: int, base: int, dtype: DType, report:
         if copy.src_dtype != dtype:
             data = _cast(data, copy.src_dtype, dtype)
         pwrite_all(fd, data, dst + first * dtype.itemsize, report)
-
-
-def _crc_of(fd: int, offset: int, size: int) -> int:
-    crc = 0
-    for start in range(0, size, CHUNK_BYTES):
-        crc = zlib.crc32(os.pread(fd, min(CHUNK_BYTES, size - start), offset + start), crc)
-    return crc
 
 
 def gaps(spans: Iterable[tuple[int, int]], total: int) -> Iterator[tuple[int, int]]:
