@@ -82,11 +82,17 @@ def test_duplicate_shard_index(tmp_path: Path, capsys) -> None:
 
 
 def test_file_without_shard_index_among_several(tmp_path: Path, capsys) -> None:
-    pattern = _write(tmp_path)
+    _write(tmp_path)
     torch.save({"model": {}}, tmp_path / "ckpts" / "checkpoint_last-model_part-0-extra.pt")
     line = _fails(tmp_path, capsys, _args(str(tmp_path / "ckpts" / "*.pt"), tmp_path))
     assert "checkpoint_last-model_part-0-extra.pt: no shard index" in line
-    assert pattern  # the real shards were there too
+
+
+def test_stray_file_of_no_model_part_is_named(tmp_path: Path, capsys) -> None:
+    _write(tmp_path)
+    torch.save({"model": {}}, tmp_path / "ckpts" / "checkpoint_last.pt")
+    line = _fails(tmp_path, capsys, _args(str(tmp_path / "ckpts" / "checkpoint_last*.pt"), tmp_path))
+    assert "checkpoint_last.pt: not a model part's shard like" in line and "narrow --input-glob-pattern" in line
 
 
 # --- not an FSDP shard ---------------------------------------------------------------------------
@@ -227,9 +233,10 @@ def test_corrupt_metadata_is_caught_by_its_crc(tmp_path: Path, capsys) -> None:
 
 
 def test_garbage_file(tmp_path: Path, capsys) -> None:
-    (tmp_path / "garbage.pt").write_bytes(b"\x80\x02not a checkpoint at all")
-    line = _fails(tmp_path, capsys, _args(str(tmp_path / "garbage.pt"), tmp_path))
-    assert "garbage.pt: cannot read checkpoint" in line and "not a torch checkpoint" in line
+    _write(tmp_path)
+    (tmp_path / "ckpts" / SHARD.format(3)).write_bytes(b"\x80\x02not a checkpoint at all")
+    line = _fails(tmp_path, capsys, _args(str(tmp_path / "ckpts" / SHARD.format("*")), tmp_path, "--num-output-shards", "2"))
+    assert f"{SHARD.format(3)}: cannot read checkpoint" in line and "not a torch checkpoint" in line
     assert len(line) < 300
 
 
@@ -238,6 +245,7 @@ def test_arbitrary_pickle_needs_trust_checkpoint(tmp_path: Path, capsys) -> None
     line = _fails(tmp_path, capsys, _args(pattern, tmp_path))
     assert f"{SHARD.format(0)}: refusing to unpickle" in line and "synthetic.Opaque" in line
     assert "pass --trust-checkpoint" in line
+    assert main([*_args(pattern, tmp_path), "--trust-checkpoint", "--quiet"]) == 0
 
 
 # --- outputs and options -------------------------------------------------------------------------
