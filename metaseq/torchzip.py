@@ -59,7 +59,8 @@ __all__ = [
 ]
 
 ALIGNMENT = 64  # torch aligns every record's data; mmap-loaded tensors need it
-CHUNK_BYTES = 64 << 20  # per copy call: progress, casting and writeback granularity
+CHUNK_BYTES = 64 << 20  # per copy call: progress and writeback granularity
+CAST_BYTES = 8 << 20  # elements read, cast and written at a time (a few such buffers are alive)
 SMALL_BYTES = 64  # storages this small are read with the pickle (values such as `step`)
 ZIP64_LIMIT = 0xFFFFFFFF  # sizes/offsets at or above this go into zip64 extra fields
 _ZIP64_MARK = 0xFFFFFFFF  # what the classic field then says
@@ -854,7 +855,7 @@ def _copy_chunks(copy: Copy, src: int, fd: int, base: int, dtype: DType, report:
     if copy.src_dtype == dtype and src >= 0:
         copy_file_range_all(src, fd, copy.numel * dtype.itemsize, copy.src_offset, dst, report)
         return
-    step = CHUNK_BYTES // max(copy.src_dtype.itemsize, dtype.itemsize)
+    step = CAST_BYTES // max(copy.src_dtype.itemsize, dtype.itemsize)
     for first in range(0, copy.numel, step):
         count = min(step, copy.numel - first)
         data = _source_bytes(copy, first, count)

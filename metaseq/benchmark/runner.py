@@ -60,7 +60,7 @@ LOAD_SAVE_FACTOR = 1.3
 COPY_FACTOR = 2.0
 MANY_FILES = 64
 PER_FILE_LIMIT_S = 10.0
-_SCENARIO_RE = re.compile(r"(\d+)-(\d+)(u?)")
+_SCENARIO_RE = re.compile(r"(\d+)-(\d+)(u?)((?:\+(?:fp16|bf16|verify))*)")
 
 
 @dataclass(frozen=True)
@@ -68,10 +68,17 @@ class Scenario:
     inputs: int  # N
     outputs: int  # M
     unflatten: bool = False  # "8-1u": --unflatten-weights True
+    extras: tuple[str, ...] = ()  # "8-16+fp16+verify": --output-dtype fp16 --verify
 
     @property
     def name(self) -> str:
-        return f"{self.inputs}-{self.outputs}{'u' if self.unflatten else ''}"
+        return f"{self.inputs}-{self.outputs}{'u' if self.unflatten else ''}" + "".join(f"+{e}" for e in self.extras)
+
+    @property
+    def flags(self) -> list[str]:
+        """The reshard flags of the extras."""
+        flags = [] if "verify" not in self.extras else ["--verify"]
+        return flags + [f for e in self.extras if e != "verify" for f in ("--output-dtype", e)]
 
     @property
     def many_files(self) -> bool:
@@ -84,8 +91,10 @@ def parse_scenarios(text: str) -> list[Scenario]:
     for item in filter(None, (s.strip() for s in text.split(","))):
         match = _SCENARIO_RE.fullmatch(item)
         if not match or int(match[1]) < 1 or int(match[2]) < 1:
-            raise ValueError(f"--scenarios {text!r}: {item!r} is not N-M or N-1u with N, M >= 1 (e.g. 8-16)")
-        scenario = Scenario(int(match[1]), int(match[2]), match[3] == "u")
+            raise ValueError(f"--scenarios {text!r}: {item!r} is not N-M or N-1u with N, M >= 1, optionally "
+                             "followed by +fp16, +bf16 or +verify (e.g. 8-16, 8-16+fp16)")
+        extras = tuple(e for e in match[4].split("+") if e)
+        scenario = Scenario(int(match[1]), int(match[2]), match[3] == "u", extras)
         if scenario.unflatten and scenario.outputs != 1:
             raise ValueError(
                 f"--scenarios {text!r}: {item!r}: an unflattened output is one file; use {scenario.inputs}-1u"
@@ -169,7 +178,7 @@ def reshard_command(scenario: Scenario, input_glob: str, out_dir: Path) -> list[
         "--num-output-shards", str(scenario.outputs),
         "--quiet",
     ]
-    return cmd + (["--unflatten-weights", "True"] if scenario.unflatten else [])
+    return cmd + (["--unflatten-weights", "True"] if scenario.unflatten else []) + scenario.flags
 
 
 def timed_run(cmd: list[str], out_dir: Path, config: BenchConfig) -> tuple[Measurement, int]:
@@ -250,7 +259,7 @@ def judge_targets(
     ok = m.returncode == 0
     targets: dict[str, bool | None] = {"memory": ok and m.peak_anon <= bound,
                                        "vs_load_save": None, "vs_copy": None, "seconds": None}
-    if scenario.unflatten:
+    if scenario.unflatten or "verify" in scenario.extras:  # --verify reads everything twice more
         return targets
     if scenario.many_files:
         targets["seconds"] = ok and m.seconds <= per_file_limit_s
