@@ -317,9 +317,8 @@ def check_checkpoint_crc(path: str | os.PathLike, *, tensors: bool = True) -> in
     except NeedsTorch:
         return None
     checked = 0
-    with open(path, "rb") as f:
-        for name, record in records.items():
-            if record.crc and (tensors or not name.startswith("data/")):
-                check_record(f.fileno(), path, name, record)
-                checked += record.size
+    for name, record in records.items():
+        if record.crc and (tensors or not name.startswith("data/")):
+            check_record(path, name, record)
+            checked += record.size
     return checked

@@ -6,8 +6,8 @@ Two inputs are accepted:
   `python -m metaseq.scripts.reshard_fsdp ... --num-output-shards 1 --unflatten-weights True`
   writes, conventionally `reshard-model_part-0.pt`), loaded with `strict=True`;
 - raw FSDP shards, named by a glob (`DIR/checkpoint_last-model_part-0-shard*.pt`) or
-  by their stem (`DIR/checkpoint_last.pt`), consolidated in memory with
-  `consolidate_shards`: no files are written and no process group is needed.
+  by their stem (`DIR/checkpoint_last.pt`), consolidated by the reshard planner into
+  a temporary file: no process group is needed.
 
 The model is rebuilt from the checkpoint's `cfg["model"]`, so no size flags are needed.
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import tempfile
 from dataclasses import dataclass
 from typing import Any, Collection, Mapping
 
@@ -32,8 +33,10 @@ from metaseq.hf.names import upstream_state_for_model
 from metaseq.hf.tokenization import ByteTokenizer, TextTokenizer
 from metaseq.hf.variants import is_upstream_cfg, model_config_from_cfg
 from metaseq.models.transformer_lm import TransformerLanguageModel, build_model
-from metaseq.reshard import ReshardError, consolidate_shards
+from metaseq.reshard import ReshardError, ReshardOptions
+from metaseq.reshard.plan import plan_structures, read_inputs
 from metaseq.reshard.schema import clean_key
+from metaseq.reshard.write import list_jobs, write_outputs
 from metaseq.tokenizer import BOS, EOS, PAD, UNK, VOCAB_SIZE, encode
 
 __all__ = [
@@ -102,18 +105,25 @@ def resolve_checkpoint_files(path: str) -> tuple[list[str], bool]:
 
 
 def load_inference_checkpoint(path: str, *, trust: bool = False) -> dict[str, Any]:
-    """The consolidated checkpoint dict behind `path` (see `resolve_checkpoint_files`)."""
+    """The consolidated checkpoint dict behind `path` (see `resolve_checkpoint_files`).
+
+    Shards are consolidated by the reshard tool into a temporary file (bounded memory),
+    which is then loaded like a consolidated file.
+    """
     files, sharded = resolve_checkpoint_files(path)
     if not sharded:
         return load_checkpoint(files[0], trust=trust)
-    # mmap: the shards' tensors are read from disk as they are copied, not all up front.
-    shards = [load_checkpoint(f, mmap=True, trust=trust) for f in files]
-    try:
-        ckpt = consolidate_shards(shards, unflatten=True, skip_optimizer_state=True)
-    except ReshardError as e:  # e.g. an incomplete or inconsistent shard set
-        raise InferenceLoadError(f"--path {path}: cannot consolidate {len(files)} shard files: {e}") from None
-    logger.info("consolidated %d shard files in memory (%s ... %s)", len(files), files[0], files[-1])
-    return ckpt
+    with tempfile.TemporaryDirectory(prefix="metaseq-consolidate-") as tmp:
+        out = os.path.join(tmp, "reshard-model_part-0.pt")
+        options = ReshardOptions(output_shard_name=out, unflatten_weights=True, skip_optimizer_state=True,
+                                 trust_checkpoint=trust, num_workers=1, quiet=True)
+        try:
+            plan = plan_structures(read_inputs(files, trust=trust), options, [out])
+            write_outputs(list_jobs([plan]))
+        except ReshardError as e:  # e.g. an incomplete or inconsistent shard set
+            raise InferenceLoadError(f"--path {path}: cannot consolidate {len(files)} shard files: {e}") from None
+        logger.info("consolidated %d shard files (%s ... %s)", len(files), files[0], files[-1])
+        return load_checkpoint(out, trust=trust)
 
 
 def build_inference_model(ckpt: Mapping[str, Any], *, source: str) -> TransformerLanguageModel:

@@ -51,6 +51,7 @@ __all__ = [
     "from_torch",
     "gaps",
     "pwrite_all",
+    "read_at",
     "read_checkpoint",
     "read_storage",
     "to_torch",
@@ -271,27 +272,39 @@ class Record(NamedTuple):
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, ..., file name length, extra field length
 
 
-def zip_records(path: str) -> dict[str, Record]:
+def read_at(source: str | bytes | memoryview, offset: int, size: int) -> bytes | memoryview:
+    """`size` bytes at `offset` of a file (by path) or of bytes in memory."""
+    if not isinstance(source, str):
+        return memoryview(source)[offset : offset + size]
+    with open(source, "rb") as f:
+        data = os.pread(f.fileno(), size, offset)
+    if len(data) != size:
+        raise OSError(errno.EIO, f"{source} ended early (changed while resharding?)")
+    return data
+
+
+def zip_records(source: str | bytes) -> dict[str, Record]:
     """Every record of a torch zip checkpoint, by name without the archive folder (`data.pkl`, `data/0`).
 
     Raises NeedsTorch for a file that is not a zip (torch's legacy format, or not a
     checkpoint at all) and CheckpointLoadError for a damaged one.
     """
+    name = source if isinstance(source, str) else "<in memory>"
     try:
-        with open(path, "rb") as f:
+        with open(source, "rb") if isinstance(source, str) else io.BytesIO(source) as f:
             if f.read(4) != b"PK\x03\x04":
                 raise NeedsTorch("not a zip file")
-            file_size = os.fstat(f.fileno()).st_size
+            size = f.seek(0, os.SEEK_END)
             with zipfile.ZipFile(f) as archive:
-                return _records(f, archive.infolist(), file_size, path)
+                return _records(f, archive.infolist(), size)
     except FileNotFoundError:
-        raise CheckpointLoadError(f"{path}: no such file") from None
+        raise CheckpointLoadError(f"{name}: no such file") from None
     except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError, NotImplementedError,
             struct.error) as e:
-        raise corrupt(path, e) from None
+        raise corrupt(name, e) from None
 
 
-def _records(f: Any, infos: list[zipfile.ZipInfo], file_size: int, path: str) -> dict[str, Record]:
+def _records(f: Any, infos: list[zipfile.ZipInfo], file_size: int) -> dict[str, Record]:
     if not infos or "/" not in infos[0].filename:
         raise NeedsTorch("a zip file but not a torch checkpoint")
     prefix = infos[0].filename.split("/", 1)[0] + "/"
@@ -322,24 +335,19 @@ def corrupt(path: str, error: BaseException) -> CheckpointLoadError:
     return CheckpointLoadError(f"{path}: corrupt checkpoint ({detail}); restore the file from a good copy")
 
 
-def check_record(fd: int, path: str, name: str, record: Record, *, keep: bool = False) -> bytes:
+def check_record(source: str | bytes, name: str, record: Record, *, keep: bool = False) -> bytes:
     """Read a record and check it against its CRC32 (unless the writer stored none); its bytes if `keep`."""
     offset, size, crc = record
-    data = os.pread(fd, size, offset) if keep else b""
-    found = zlib.crc32(data) if keep else crc32_of(fd, offset, size) if crc else 0
-    if (keep and len(data) != size) or (crc and found != crc):
+    found, data = 0, b""
+    for start in range(0, size, CHUNK_BYTES) if keep or crc else ():
+        chunk = bytes(read_at(source, offset + start, min(CHUNK_BYTES, size - start)))
+        found, data = zlib.crc32(chunk, found), data + chunk if keep else b""
+    if crc and found != crc:
+        where = source if isinstance(source, str) else "<in memory>"
         raise CheckpointLoadError(
-            f"{path}: corrupt checkpoint (record {name} fails its CRC32 check); restore the file from a good copy"
+            f"{where}: corrupt checkpoint (record {name} fails its CRC32 check); restore the file from a good copy"
         )
     return data
-
-
-def crc32_of(fd: int, offset: int, size: int) -> int:
-    """CRC32 of `size` bytes of a file, read chunk by chunk."""
-    crc = 0
-    for start in range(0, size, CHUNK_BYTES):
-        crc = zlib.crc32(os.pread(fd, min(CHUNK_BYTES, size - start), offset + start), crc)
-    return crc
 
 
 def _rebuild_tensor(storage: Storage, storage_offset: int, size: tuple, stride: tuple, requires_grad: bool,
@@ -373,9 +381,9 @@ _GLOBALS.update({("torch", d.name): (lambda d=d: dataclasses.replace(d)) for d i
 
 
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, data: bytes, records: dict[str, Record], path: str, fd: int) -> None:
+    def __init__(self, data: bytes, records: dict[str, Record], source: str | bytes) -> None:
         super().__init__(io.BytesIO(data))
-        self.records, self.path, self.fd = records, path, fd
+        self.records, self.source = records, source
         self.storages: dict[str, Storage] = {}
         self.opaque: dict[tuple[str, str], type[Opaque]] = {}
 
@@ -395,9 +403,9 @@ class _Unpickler(pickle.Unpickler):
             offset, size, _ = self.records.get(f"data/{key}", (-1, -1, 0))
             if size != numel * tag.dtype.itemsize:
                 raise pickle.UnpicklingError(f"storage {key}: record of {size} bytes for {numel} elements")
-            source: str | bytes = self.path
-            if 0 < size <= SMALL_BYTES:  # small values (e.g. `step`) are read now: value() needs no file
-                source, offset = check_record(self.fd, self.path, f"data/{key}", self.records[f"data/{key}"], keep=True), 0
+            source = self.source
+            if 0 < size <= SMALL_BYTES and isinstance(source, str):  # small values (`step`): value() needs no file
+                source, offset = check_record(source, f"data/{key}", self.records[f"data/{key}"], keep=True), 0
             storage = Storage(tag.dtype, size)
             if size:
                 storage.copies.append(Copy(source, offset, 0, numel, tag.dtype))
@@ -405,30 +413,39 @@ class _Unpickler(pickle.Unpickler):
         return self.storages[key]
 
 
-def read_checkpoint(path: str) -> tuple[Any, list[str]]:
+def read_checkpoint(source: str | bytes) -> tuple[Any, list[str]]:
     """The checkpoint's object with `TensorRef`s for tensors, and the globals it keeps as `Opaque`.
 
-    Reads the zip directory, the pickle and storages of at most SMALL_BYTES; no tensor
-    data. Raises NeedsTorch (see the module docstring) or CheckpointLoadError.
+    `source` is a file path (only the zip directory, the pickle and storages of at most
+    SMALL_BYTES are read: no tensor data) or a whole file in memory. Raises NeedsTorch
+    (see the module docstring) or CheckpointLoadError.
     """
-    records = zip_records(path)
+    name = source if isinstance(source, str) else "<in memory>"
+    records = zip_records(source)
     if "data.pkl" not in records:
         raise NeedsTorch("no data.pkl record")
-    with open(path, "rb") as f:
-        if "byteorder" in records and check_record(f.fileno(), path, "byteorder", records["byteorder"], keep=True) != b"little":
-            raise NeedsTorch("big-endian file")
-        pkl = check_record(f.fileno(), path, "data.pkl", records["data.pkl"], keep=True)
-        unpickler = _Unpickler(pkl, records, path, f.fileno())
-        try:
-            obj = unpickler.load()
-        except (NeedsTorch, CheckpointLoadError):
-            raise
-        except Exception as e:  # noqa: BLE001 -- a pickle the zip CRC32 did not catch (or saved without one)
-            raise CheckpointLoadError(
-                f"{path}: cannot read checkpoint (unpickling failed: {type(e).__name__}: {str(e)[:100]}); "
-                "the file is truncated, corrupt or not a torch checkpoint"
-            ) from None
+    if "byteorder" in records and check_record(source, "byteorder", records["byteorder"], keep=True) != b"little":
+        raise NeedsTorch("big-endian file")
+    unpickler = _Unpickler(check_record(source, "data.pkl", records["data.pkl"], keep=True), records, source)
+    try:
+        obj = unpickler.load()
+    except (NeedsTorch, CheckpointLoadError):
+        raise
+    except Exception as e:  # noqa: BLE001 -- a pickle the zip CRC32 did not catch (or saved without one)
+        raise CheckpointLoadError(
+            f"{name}: cannot read checkpoint (unpickling failed: {type(e).__name__}: {str(e)[:100]}); "
+            "the file is truncated, corrupt or not a torch checkpoint"
+        ) from None
     return obj, sorted(f"{m}.{n}" for m, n in unpickler.opaque)
+
+
+def from_torch(obj: Any) -> tuple[Any, list[str]]:
+    """What `read_checkpoint` gives for `obj` as `torch.load` returned it: saved by torch into memory, read back."""
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return read_checkpoint(buffer.getvalue())
 
 
 def read_storage(storage: Storage) -> bytearray:
@@ -442,22 +459,9 @@ def read_storage(storage: Storage) -> bytearray:
                 if os.preadv(f.fileno(), [view[copy.dst_offset : end]], copy.src_offset) != end - copy.dst_offset:
                     raise OSError(errno.EIO, f"{copy.source} ended early (changed while reading?)")
             continue
-        data = _source_bytes(copy, 0, copy.numel)
+        data = read_at(copy.source, copy.src_offset, copy.numel * copy.src_dtype.itemsize)
         view[copy.dst_offset : end] = data if copy.src_dtype == storage.dtype else _cast(data, copy.src_dtype, storage.dtype)
     return out
-
-
-def _source_bytes(copy: Copy, first: int, count: int) -> bytes | memoryview:
-    """Elements [first, first + count) of a copy's source."""
-    size = copy.src_dtype.itemsize
-    start = copy.src_offset + first * size
-    if not isinstance(copy.source, str):
-        return memoryview(copy.source)[start : start + count * size]
-    with open(copy.source, "rb") as f:
-        data = os.pread(f.fileno(), count * size, start)
-    if len(data) != count * size:
-        raise OSError(errno.EIO, f"{copy.source} ended early (changed while resharding?)")
-    return data
 
 
 def _cast(data: bytes | memoryview, src: DType, dst: DType) -> bytes:
@@ -465,16 +469,6 @@ def _cast(data: bytes | memoryview, src: DType, dst: DType) -> bytes:
 
     values = torch.frombuffer(bytearray(data), dtype=getattr(torch, src.name))
     return values.to(getattr(torch, dst.name)).view(torch.uint8).numpy().tobytes()
-
-
-def from_torch(obj: Any, *, opaque: bool = True) -> Any:
-    """What `read_checkpoint` would give for `obj` as `torch.load` returned it (tensors in memory).
-
-    Tensors become TensorRefs over their own bytes; objects of other types become Opaque
-    records of what pickling them would write, or with `opaque=False` stay as they are
-    (for callers that keep the result in memory).
-    """
-    return _Converter(opaque).convert(obj)
 
 
 def to_torch(obj: Any, storages: dict[int, Any] | None = None) -> Any:
@@ -488,85 +482,15 @@ def to_torch(obj: Any, storages: dict[int, Any] | None = None) -> Any:
             data = read_storage(obj.storage)
             storages[id(obj.storage)] = torch.frombuffer(data, dtype=dtype) if data else torch.empty(0, dtype=dtype)
         return storages[id(obj.storage)].as_strided(obj.shape, obj.stride, obj.storage_offset)
+    if type(obj) is Size:
+        return torch.Size(obj)
+    if type(obj) is DType:
+        return getattr(torch, obj.name)
     if type(obj) in (dict, collections.OrderedDict):
         return type(obj)((k, to_torch(v, storages)) for k, v in obj.items())
     if type(obj) in (list, tuple):
         return type(obj)(to_torch(v, storages) for v in obj)
     return obj
-
-
-class _Converter:
-    def __init__(self, opaque: bool) -> None:
-        self.opaque = opaque
-        self.memo: dict[int, Any] = {}
-        self.storages: dict[Any, Storage] = {}
-        self.keep: list[Any] = []  # converted originals stay alive, so their id() stays unique
-        self.classes: dict[tuple[str, str], type[Opaque]] = {}
-
-    def convert(self, obj: Any) -> Any:
-        import torch
-
-        if type(obj) in (str, int, float, bool, bytes, type(None)):
-            return obj
-        if id(obj) in self.memo:
-            return self.memo[id(obj)]
-        self.keep.append(obj)
-        if torch.is_tensor(obj):
-            out = self._tensor(obj)
-        elif isinstance(obj, torch.dtype):
-            out = dtype_by_name(str(obj))
-        elif isinstance(obj, torch.Size):
-            out = Size(obj)
-        elif type(obj) in (dict, collections.OrderedDict):
-            out = self.memo[id(obj)] = type(obj)()
-            out.update((self.convert(k), self.convert(v)) for k, v in obj.items())
-            if getattr(obj, "__dict__", None):
-                out.__dict__.update(self.convert(dict(vars(obj))))
-        elif type(obj) in (list, tuple):
-            out = self.memo[id(obj)] = [] if type(obj) is list else None
-            items = [self.convert(v) for v in obj]
-            out = out.__iadd__(items) if out is not None else tuple(items)
-        elif not self.opaque:
-            out = obj
-        elif isinstance(obj, type) or callable(obj) and hasattr(obj, "__qualname__"):
-            out = self._class(obj.__module__, obj.__qualname__)
-        else:
-            out = self._object(obj)
-        self.memo[id(obj)] = out
-        return out
-
-    def _class(self, module: str, qualname: str) -> type[Opaque]:
-        return self.classes.setdefault((module, qualname), opaque_class(module, qualname))
-
-    def _tensor(self, t: Any) -> TensorRef:
-        import torch
-
-        raw = t.untyped_storage()
-        dtype = dtype_by_name(str(t.dtype))
-        key = (raw.data_ptr(), dtype.name) if raw.nbytes() else id(t)  # empty storages all sit at address 0
-        storage = self.storages.get(key)
-        if storage is None:
-            storage = self.storages[key] = Storage(dtype, raw.nbytes())
-            if raw.nbytes():
-                data = torch.empty(0, dtype=torch.uint8).set_(raw.cpu()).numpy().data
-                storage.copies.append(Copy(data, 0, 0, raw.nbytes() // dtype.itemsize, dtype))
-        return TensorRef(storage, t.storage_offset(), Size(t.shape), tuple(t.stride()), t.requires_grad)
-
-    def _object(self, obj: Any) -> Opaque:
-        reduced = obj.__reduce_ex__(2)
-        if isinstance(reduced, str):  # a module-level singleton, pickled by name
-            return self._class(type(obj).__module__, reduced)
-        func, args, state, items, entries = (tuple(reduced) + (None,) * 5)[:5]
-        newobj = getattr(func, "__name__", "") == "__newobj__"
-        cls = args[0] if newobj else func
-        out = Opaque.__new__(self._class(cls.__module__, cls.__qualname__))
-        self.memo[id(obj)] = out
-        out.args, out.called = tuple(self.convert(a) for a in (args[1:] if newobj else args)), not newobj
-        if state is not None:
-            out.state = self.convert(state)
-        out.items = [self.convert(i) for i in items or ()]
-        out.entries = [(self.convert(k), self.convert(v)) for k, v in entries or ()]
-        return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -840,7 +764,7 @@ def write_checkpoint(fd: int, obj: Any, *, archive: str = "archive", crc32: bool
             os.close(src)
     if crc32:
         for entry in (e for e in entries if e.storage is not None):
-            entry.crc = crc32_of(fd, entry.data_offset, entry.size)
+            entry.crc = _crc32_of(fd, entry.data_offset, entry.size)
     for entry in entries:
         pwrite_all(fd, _local_header(entry), entry.header_offset)
     cd = b"".join(_central_entry(e) for e in entries)
@@ -858,10 +782,17 @@ def _copy_chunks(copy: Copy, src: int, fd: int, base: int, dtype: DType, report:
     step = CAST_BYTES // max(copy.src_dtype.itemsize, dtype.itemsize)
     for first in range(0, copy.numel, step):
         count = min(step, copy.numel - first)
-        data = _source_bytes(copy, first, count)
+        data = read_at(copy.source, copy.src_offset + first * copy.src_dtype.itemsize, count * copy.src_dtype.itemsize)
         if copy.src_dtype != dtype:
             data = _cast(data, copy.src_dtype, dtype)
         pwrite_all(fd, data, dst + first * dtype.itemsize, report)
+
+
+def _crc32_of(fd: int, offset: int, size: int) -> int:
+    crc = 0
+    for start in range(0, size, CHUNK_BYTES):
+        crc = zlib.crc32(os.pread(fd, min(CHUNK_BYTES, size - start), offset + start), crc)
+    return crc
 
 
 def gaps(spans: Iterable[tuple[int, int]], total: int) -> Iterator[tuple[int, int]]:

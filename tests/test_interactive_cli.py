@@ -90,7 +90,8 @@ def test_flat_checkpoint_gives_one_line_error_not_traceback(memorized, tmp_path)
 @pytest.mark.parametrize(
     "args, culprit",
     [
-        (["--path", "nowhere/checkpoint_last.pt"], "no shard files match nowhere/checkpoint_last-model_part-0-shard*.pt"),
+        (["--path", "nowhere/checkpoint_last.pt"],
+         "--path nowhere/checkpoint_last.pt: --path 'nowhere/checkpoint_last-model_part-0-shard*.pt' matches no files"),
         (["--top-p", "1.5"], "--top-p=1.5 must be in (0, 1]"),
     ],
 )

@@ -286,7 +286,7 @@ def test_outputs_own_compact_storages() -> None:
 
 def test_each_output_shard_reads_only_the_inputs_it_needs() -> None:
     shards = make_shards(make_model(), 4)
-    inputs = [InputFile(f"s{r}", -1, 0, from_torch(s, opaque=False)) for r, s in enumerate(shards)]
+    inputs = [InputFile(f"s{r}", -1, 0, from_torch(s)[0]) for r, s in enumerate(shards)]
     plan = plan_structures(inputs, ReshardOptions(num_output_shards=8), [f"o{r}" for r in range(8)])
     read = {run.input for tensor in plan.outputs[7].tensors for run in tensor.runs}
     assert read == {0, 3}  # its flat pieces live in rank 3; buffers come from rank 0

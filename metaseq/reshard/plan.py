@@ -173,10 +173,10 @@ def read_inputs(paths: Sequence[str], *, trust: bool) -> list[InputFile]:
         stat = os.stat(path)
         try:
             structure, found = read_checkpoint(path)
-            unknown = [name for name in found if name not in TRUSTED_GLOBALS]
         except NeedsTorch as e:
             logger.info("%s: %s; loading it with torch, into memory", path, e)
-            structure, unknown = from_torch(load_checkpoint(path, trust=trust)), []
+            structure, found = from_torch(load_checkpoint(path, trust=trust))
+        unknown = [name for name in found if name not in TRUSTED_GLOBALS]
         if not isinstance(structure, dict):
             kind = "Tensor" if is_tensor(structure) else type(structure).__name__
             raise ReshardError(f"{path}: expected a dict checkpoint, found {kind}")

@@ -128,11 +128,12 @@ def reshard_fsdp_checkpoints(input_glob_pattern: str, output_shard_name: str, **
 def reshard_shards(shard_dicts: Sequence[Mapping[str, Any]], **options: Any) -> list[dict[str, Any]]:
     """In-memory N -> M reshard of checkpoint dicts (torch tensors) ordered by rank; inputs are not modified.
 
-    `options` are `ReshardOptions` fields. Non-tensor entries (cfg, extra_state, ...) are
-    shared with shard_dicts[0], not copied; tensors are new.
+    `options` are `ReshardOptions` fields. Each input goes through `torch.save` into memory
+    and the reader, as a file would: outputs hold new tensors, and objects of classes
+    outside the checkpoint format come back as `metaseq.torchzip.Opaque` records.
     """
     opts = ReshardOptions(**options)
-    inputs = [InputFile(f"shard {r}", -1, 0, from_torch(d, opaque=False)) for r, d in enumerate(shard_dicts)]
+    inputs = [InputFile(f"shard {r}", -1, 0, from_torch(d)[0]) for r, d in enumerate(shard_dicts)]
     names = [f"output {r}" for r in range(opts.num_output_shards)]
     plan = plan_structures(inputs, opts, names)
     return [to_torch(assemble_output(plan, out)) for out in plan.outputs]
