@@ -51,6 +51,7 @@ __all__ = [
     "from_torch",
     "gaps",
     "pwrite_all",
+    "pickle_bytes",
     "read_at",
     "read_checkpoint",
     "read_storage",
@@ -708,6 +709,11 @@ def _end_records(count: int, cd_offset: int, cd_size: int) -> bytes:
     out += struct.pack("<4sIQI", b"PK\x06\x07", 0, zip64_end, 1)
     small = [min(count, 0xFFFF), min(cd_size, _ZIP64_MARK), min(cd_offset, _ZIP64_MARK)]
     return out + struct.pack("<4sHHHHIIH", b"PK\x05\x06", 0, 0, small[0], small[0], small[1], small[2], 0)
+
+
+def pickle_bytes(obj: Any) -> bytes:
+    """The pickle `write_checkpoint` writes for `obj` (tensors as storage references): to compare objects."""
+    return _Pickler().dump(obj)
 
 
 def _entries(obj: Any, archive: str) -> list[_Entry]:

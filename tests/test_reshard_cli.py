@@ -1,6 +1,7 @@
 """CLI tests of `python -m metaseq.scripts.reshard_fsdp`, mostly through `main([...])`."""
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -9,10 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from metaseq.file_io import load_checkpoint
-from metaseq.file_io import find_shards
+from metaseq.file_io import find_shards, load_checkpoint
 from metaseq.scripts.reshard_fsdp import build_parser, main
-from synthetic import Opaque, assert_tree_equal, make_model, make_shards, write_shards
+from synthetic import LOADS, Opaque, assert_tree_equal, make_model, make_shards, write_shards
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -177,3 +177,18 @@ def test_output_name_with_digits_next_to_the_index_is_refused(shard_dir: Path, t
     assert main(["--input", _pattern(shard_dir), "--output", str(tmp_path / "s1{i}.pt"), "--num-output-shards", "12"]) == 2
     assert "digits next to '{i}'" in _error_line(capsys)
     assert not list(tmp_path.glob("s1*.pt"))
+
+
+def test_objects_of_other_classes_are_carried_without_running_them(tmp_path: Path) -> None:
+    """No --trust-checkpoint needed: the tool never loads such objects, it writes them back as they were."""
+    shards = make_shards(make_model(), 2)
+    shards[0]["extra_state"]["custom"] = Opaque(7)
+    shards[0]["cfg"]["model"] = argparse.Namespace(decoder_layers=2, dropout=0.1)
+    write_shards(shards, tmp_path / "ckpts")
+    LOADS.clear()
+    assert main(["--input", _pattern(tmp_path / "ckpts"), "--output", str(tmp_path / "o{i}.pt"),
+                 "--num-output-shards", "3", "--quiet"]) == 0
+    assert LOADS == []  # resharding ran no code of the class
+    got = load_checkpoint(tmp_path / "o2.pt", trust=True)
+    assert LOADS == [7] and got["extra_state"]["custom"].value == 7
+    assert got["cfg"]["model"] == argparse.Namespace(decoder_layers=2, dropout=0.1)

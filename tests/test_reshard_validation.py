@@ -240,14 +240,6 @@ def test_garbage_file(tmp_path: Path, capsys) -> None:
     assert len(line) < 300
 
 
-def test_arbitrary_pickle_needs_trust_checkpoint(tmp_path: Path, capsys) -> None:
-    pattern = _write(tmp_path, lambda shards: shards[0]["extra_state"].__setitem__("custom", Opaque(1)))
-    line = _fails(tmp_path, capsys, _args(pattern, tmp_path))
-    assert f"{SHARD.format(0)}: refusing to unpickle" in line and "synthetic.Opaque" in line
-    assert "pass --trust-checkpoint" in line
-    assert main([*_args(pattern, tmp_path), "--trust-checkpoint", "--quiet"]) == 0
-
-
 # --- outputs and options -------------------------------------------------------------------------
 
 

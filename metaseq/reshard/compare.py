@@ -21,7 +21,7 @@ from metaseq.reshard.options import ReshardOptions
 from metaseq.reshard.plan import InputFile, Source, analyze_inputs, output_tensors, read_inputs, tensor_ref
 from metaseq.reshard.ranges import OutTensor, Run
 from metaseq.reshard.schema import OPTIM, clean_key, is_tensor
-from metaseq.torchzip import to_torch
+from metaseq.torchzip import Opaque, pickle_bytes, to_torch
 
 __all__ = [
     "Comparison",
@@ -50,13 +50,22 @@ class TensorSet:
     optim_scalars: dict[OptimKey, Any]  # e.g. step, as a plain number
     optim_settings: dict[str, Any]  # param_groups without their "params" ids, loss_scale, ...
     note: str = ""  # why optimizer state cannot be compared, if so
+    scales: dict[OptimKey, list[float]] = field(default_factory=dict)  # per input: fp16 moment x scale = value
 
     @property
     def paths(self) -> tuple[str, ...]:
         return tuple(i.path for i in self.inputs)
 
-    def read(self, tensor: OutTensor) -> torch.Tensor:
-        return to_torch(tensor_ref(tensor, self.inputs))
+    def read(self, tensor: OutTensor, key: Any = None) -> torch.Tensor:
+        """The tensor; moments stored with a per-rank scale (--fp16-adam-stats) as their values."""
+        out = to_torch(tensor_ref(tensor, self.inputs))
+        factors = self.scales.get(key)
+        if factors is None:
+            return out
+        flat = out.float().reshape(-1)
+        for run in tensor.runs:
+            flat[run.offset : run.offset + run.length] *= factors[run.input]
+        return flat.view(out.shape)
 
 
 def open_tensor_set(paths: Sequence[str], *, trust: bool = False, skip_optimizer_state: bool = False) -> TensorSet:
@@ -89,6 +98,8 @@ def tensor_set_from_source(source: Source, inputs: Sequence[InputFile], output_d
     for target in output_tensors(source, options, 0):
         if target.path[0] == "model":
             model[target.path[1]] = target
+        elif target.path[0] == "extra_state":  # EMA: compared like parameters, as "extra_state.ema.NAME"
+            model[".".join(target.path)] = target
         else:  # (OPTIM, "state", global id, state name)
             optim[(names[target.path[2]], target.path[3])] = target
     shard0 = inputs[0].structure
@@ -101,7 +112,19 @@ def tensor_set_from_source(source: Source, inputs: Sequence[InputFile], output_d
     files = len(inputs)
     form = "1 unflattened file" if layout.unflattened else f"{files} flat shard{'s' if files > 1 else ''}"
     scalars, settings = ({}, {}) if source.optim is None else _optim_scalars(source, names, shard0[OPTIM])
-    return TensorSet(tuple(inputs), form, model, buffers, optim, scalars, settings)
+    return TensorSet(tuple(inputs), form, model, buffers, optim, scalars, settings, scales=_scales(source, names))
+
+
+def _scales(source: Source, names: Mapping[int, str]) -> dict[OptimKey, list[float]]:
+    """Per-element states stored with a per-rank scale state `NAME_scale` (--fp16-adam-stats): the scales."""
+    scales: dict[OptimKey, list[float]] = {}
+    for g, k, _ in global_params(source.model) if source.optim is not None else ():
+        entries = {e.name: e for e in source.optim.entries.get(k, ())}
+        for name, entry in entries.items():
+            scale = entries.get(f"{name}_scale")
+            if entry.segments is not None and scale is not None and len(scale.values) == len(source.model.labels):
+                scales[(names[g], name)] = [v.value() if is_tensor(v) else float(v) for v in scale.values]
+    return scales
 
 
 def _tie_target(src: OutTensor, dst: str, own: Mapping[str, tuple[Any, Any]], options: ReshardOptions) -> OutTensor:
@@ -226,7 +249,7 @@ def _compare_targets(
             continue
         if x_target.dtype != y_target.dtype:
             dtypes.add((x_target.dtype, y_target.dtype))
-        detail = tensor_difference(a.read(x_target), b.read(y_target), atol=atol, exact_dtype=exact_dtype)
+        detail = tensor_difference(a.read(x_target, key), b.read(y_target, key), atol=atol, exact_dtype=exact_dtype)
         if detail is not None:
             result.differences.append(Difference(label(key), detail))
         compared += 1
@@ -246,6 +269,8 @@ def _compare_values(va: Mapping, vb: Mapping, label: Callable[[Any], str], resul
 
 
 def _same_value(x: Any, y: Any) -> bool:
+    if isinstance(x, Opaque) or isinstance(y, Opaque):  # carried objects: by what unpickling them would do
+        return type(x).__name__ == type(y).__name__ and pickle_bytes(x) == pickle_bytes(y)
     if torch.is_tensor(x) or torch.is_tensor(y):
         return torch.is_tensor(x) and torch.is_tensor(y) and x.shape == y.shape and bool(torch.equal(x, y))
     if isinstance(x, Mapping) and isinstance(y, Mapping):

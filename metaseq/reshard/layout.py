@@ -10,6 +10,7 @@ parameter names plus `shard_metadata`, as `--unflatten-weights` writes). Tensors
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -19,13 +20,19 @@ from metaseq.reshard.schema import ShardMetadata, clean_key, is_tensor, join_key
 from metaseq.torchzip import DType, Size
 
 __all__ = [
+    "MIRRORS",
     "Extra",
     "FlatParam",
+    "Mirror",
     "ModelLayout",
     "analyze_model",
     "global_params",
     "output_metadata",
 ]
+
+# extra_state dicts that hold state per flat parameter, laid out like `model` on every rank
+# (upstream metaseq's --store-ema): resharded with the model, not carried from rank 0.
+MIRRORS = ("ema", "ema_fp32_params")
 
 
 @dataclass(frozen=True)
@@ -63,6 +70,16 @@ class Extra:
 
 
 @dataclass(frozen=True)
+class Mirror:
+    """`extra_state[name]`: like `model`, its flat parameters' elements in `sources` (same cut)."""
+
+    name: str
+    sources: tuple[tuple[Span, ...], ...]  # [k], as ModelLayout.sources
+    dtypes: tuple[DType, ...]  # [k]
+    extras: tuple[Extra, ...]  # its other entries, from rank 0
+
+
+@dataclass(frozen=True)
 class ModelLayout:
     labels: tuple[str, ...]  # one per input, for messages
     unflattened: bool
@@ -74,6 +91,7 @@ class ModelLayout:
     extras: tuple[Extra, ...]
     ties: tuple[tuple[str, str], ...]  # (src, dst) full names
     metadata: ShardMetadata  # rank 0's, template for the outputs
+    mirrors: tuple[Mirror, ...] = ()
 
 
 def global_params(layout: ModelLayout) -> Iterator[tuple[int, int, int]]:
@@ -109,9 +127,9 @@ def analyze_model(shards: Sequence[Mapping[str, Any]], labels: Sequence[str]) ->
     if forms[0]:
         taken = {n for fp in flat_params for n in fp.names} | {dst for _, dst in ties}
     extras = _extras(shards[0]["model"], key_maps[0], taken)
-    return ModelLayout(
-        tuple(labels), forms[0], flat_params, padded, kept, sources, dtypes, extras, ties, metas[0]
-    )
+    layout = ModelLayout(tuple(labels), forms[0], flat_params, padded, kept, sources, dtypes, extras, ties, metas[0])
+    mirrors = tuple(_mirror(shards, layout, name, taken) for name in MIRRORS if _mirror_dicts(shards, name))
+    return dataclasses.replace(layout, mirrors=mirrors)
 
 
 def output_metadata(layout: ModelLayout, paddings: Sequence[int]) -> ShardMetadata:
@@ -339,3 +357,42 @@ def _extras(model: Mapping[str, Any], key_map: Mapping[str, str], taken: set[str
         else:
             extras.append(Extra(clean, actual, None, None))
     return tuple(extras)
+
+
+def _mirror_dicts(shards: Sequence[Mapping[str, Any]], name: str) -> list[Mapping[str, Any]]:
+    """Every input's `extra_state[name]`, or [] when input 0 has none."""
+    found = [s.get("extra_state")[name] if isinstance(s.get("extra_state"), Mapping) and
+             s["extra_state"].get(name) is not None else None for s in shards]
+    return found if found[0] is not None else []
+
+
+def _mirror(shards: Sequence[Mapping[str, Any]], layout: ModelLayout, name: str, taken: set[str]) -> Mirror:
+    """Spans of a mirror's flat parameters: the model's kept lengths, checked against its tensors."""
+    dicts = _mirror_dicts(shards, name)
+    maps = []
+    for d, label in zip(dicts, layout.labels):
+        if not isinstance(d, Mapping):
+            raise ReshardError(f"{label}: extra_state['{name}'] is a {type(d).__name__}, unlike input 0's dict "
+                               "laid out like model; the shards come from different runs")
+        maps.append({clean_key(str(k)): k for k in d})
+    sources, dtypes = [], []
+    for k, fp in enumerate(layout.flat_params):
+        keys = fp.names if layout.unflattened else (fp.key,)
+        shapes = fp.shapes if layout.unflattened else None
+        spans = []
+        for r, (d, key_map, label) in enumerate(zip(dicts, maps, layout.labels)):
+            for j, key in enumerate(keys):
+                tensor = d.get(key_map.get(key))
+                want = shapes[j] if shapes else Size([layout.padded_lengths[k][r]])
+                if not is_tensor(tensor) or tensor.shape != want:
+                    found = list(tensor.shape) if is_tensor(tensor) else type(tensor).__name__
+                    raise ReshardError(
+                        f"{label}: extra_state['{name}']['{key}'] is {found}, not {list(want)} like model's; "
+                        f"extra_state['{name}'] must hold the flat parameters exactly as model does to be resharded"
+                    )
+                spans.append(Span(r, ("extra_state", name, key_map[key]), 0,
+                                  want.numel() if shapes else layout.kept_lengths[k][r]))
+        sources.append(tuple(spans))
+        dtypes.append(dicts[0][maps[0][keys[0]]].dtype if keys else layout.dtypes[k])
+    return Mirror(name, tuple(sources), tuple(dtypes), _extras(dicts[0], maps[0], taken))
+

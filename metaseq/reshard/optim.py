@@ -26,6 +26,7 @@ __all__ = [
     "analyze_optimizer",
     "assemble_consolidated_optimizer",
     "assemble_flat_optimizer",
+    "check_per_rank_state",
     "consolidated_optimizer_targets",
     "flat_optimizer_targets",
 ]
@@ -55,9 +56,15 @@ class StateEntry:
     values: tuple[Any, ...] = ()  # scalar state: one value per input rank
     gathered: bool = False  # values came as fairscale's per-rank list of 0-dim tensors
 
+    @property
+    def per_rank(self) -> bool:
+        """Tensor values that differ between ranks (e.g. the scales of --fp16-adam-stats moments)."""
+        found = {v.value() if _is_scalar_tensor(v) else repr(v) for v in self.values if is_tensor(v)}
+        return self.name != "step" and len(found) > 1
+
     def flat_value(self, rank: int) -> Any:
-        """Scalar for one rank of a flat output: rank 0's, or a gathered list's entry like fairscale."""
-        if self.gathered and rank < len(self.values):
+        """Scalar for one rank of a flat output: rank 0's, or, per rank, that rank's (like fairscale)."""
+        if (self.gathered or self.per_rank) and rank < len(self.values):
             return _copy_scalar(self.values[rank])
         return _copy_scalar(self.values[0])
 
@@ -69,6 +76,22 @@ class StateEntry:
         if self.gathered or _is_scalar_tensor(first):
             return [_squeezed(v) for v in self.values]
         return _copy_scalar(first)
+
+
+def check_per_rank_state(optim: OptimLayout, model: ModelLayout, num_output_shards: int, unflatten: bool) -> None:
+    """Refuse per-rank scalars (see StateEntry.per_rank) for outputs whose ranks hold other elements.
+
+    Their values belong to one input rank's elements; only the same number of flat outputs
+    (the same elements per rank) or fairscale's consolidated layout (a list per rank) keeps them right.
+    """
+    for k, entries in optim.entries.items():
+        for e in (e for e in entries if e.per_rank and not unflatten and len(e.values) != num_output_shards):
+            raise ReshardError(
+                f"{model.labels[0]}: {OPTIM}.state[{k}]['{e.name}'] differs between the {len(e.values)} input "
+                "ranks: per-rank state (e.g. the scale of --fp16-adam-stats moments) belongs to the elements each "
+                f"rank holds, which move with --num-output-shards={num_output_shards}; keep "
+                f"--num-output-shards={len(e.values)} or pass --skip-optimizer-state"
+            )
 
 
 @dataclass(frozen=True)

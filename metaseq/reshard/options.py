@@ -29,7 +29,7 @@ class ReshardOptions:
     output_dtype: str | None = None  # a key of DTYPES: floating model weights and buffers only
     drop_metaseq_req: bool = False  # extra_state["train_iterator"] = None
     overwrite: bool = False
-    trust_checkpoint: bool = False  # allow objects outside the checkpoint format in the inputs
+    trust_checkpoint: bool = False  # let torch.load run other classes of legacy-format (non-zip) inputs
     verify: bool = False  # CRC32s in, CRC32s out, outputs re-read and compared with the inputs
     dry_run: bool = False
     num_workers: int | None = None  # output files written at once (threads); None: one per CPU
@@ -52,6 +52,11 @@ class ReshardOptions:
     def dtype(self) -> DType | None:
         """The dtype floating model tensors are cast to, or None."""
         return dtype_by_name(DTYPES[self.output_dtype]) if self.output_dtype else None
+
+    @property
+    def without_dtype(self) -> ReshardOptions:
+        """The same options without --output-dtype (for state that is never cast)."""
+        return dataclasses.replace(self, output_dtype=None)
 
     @classmethod
     def from_fields(cls, values: Mapping[str, Any]) -> ReshardOptions:

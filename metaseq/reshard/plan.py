@@ -23,12 +23,13 @@ from typing import Any, Mapping, Sequence
 
 from metaseq.errors import ReshardError, UserError
 from metaseq.file_io import find_shards, load_checkpoint
-from metaseq.reshard.layout import ModelLayout, analyze_model, output_metadata
+from metaseq.reshard.layout import Extra, ModelLayout, analyze_model, output_metadata
 from metaseq.reshard.optim import (
     OptimLayout,
     analyze_optimizer,
     assemble_consolidated_optimizer,
     assemble_flat_optimizer,
+    check_per_rank_state,
     consolidated_optimizer_targets,
     flat_optimizer_targets,
 )
@@ -56,7 +57,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 PART = "{j}"
-TRUSTED_GLOBALS = frozenset({"argparse.Namespace"})  # outside the tensor format, yet allowed without trust
 
 
 @dataclass(frozen=True)
@@ -166,8 +166,12 @@ def output_paths(output_shard_name: str, num_output_shards: int, inputs: Sequenc
     return outputs
 
 
-def read_inputs(paths: Sequence[str], *, trust: bool) -> list[InputFile]:
-    """Every input's structure; files `metaseq.torchzip` cannot read are loaded with torch into memory."""
+def read_inputs(paths: Sequence[str], *, trust: bool = False) -> list[InputFile]:
+    """Every input's structure, objects of unknown classes carried as `Opaque` records (nothing runs).
+
+    Files `metaseq.torchzip` cannot read (torch's legacy format) are loaded with torch into
+    memory, which needs `trust` when they hold classes outside the checkpoint format.
+    """
     inputs = []
     for path in paths:
         stat = os.stat(path)
@@ -176,15 +180,11 @@ def read_inputs(paths: Sequence[str], *, trust: bool) -> list[InputFile]:
         except NeedsTorch as e:
             logger.info("%s: %s; loading it with torch, into memory", path, e)
             structure, found = from_torch(load_checkpoint(path, trust=trust))
-        unknown = [name for name in found if name not in TRUSTED_GLOBALS]
         if not isinstance(structure, dict):
             kind = "Tensor" if is_tensor(structure) else type(structure).__name__
             raise ReshardError(f"{path}: expected a dict checkpoint, found {kind}")
-        if unknown and not trust:
-            raise ReshardError(
-                f"{path}: refusing to unpickle a type outside the checkpoint format (it contains "
-                f"{unknown[0]}); if you trust this file, pass --trust-checkpoint"
-            )
+        if found:
+            logger.info("%s: carrying objects of %s as they are (not loaded)", path, ", ".join(found))
         inputs.append(InputFile(path, stat.st_size, stat.st_mtime_ns, structure))
     return inputs
 
@@ -217,6 +217,8 @@ def analyze_inputs(structures: Sequence[Mapping[str, Any]], labels: Sequence[str
         raise ReshardError("no input shards")
     model = analyze_model(structures, labels)
     optim = None if options.skip_optimizer_state else analyze_optimizer(structures, model)
+    if optim is not None:
+        check_per_rank_state(optim, model, options.num_output_shards, options.unflatten_weights)
     if optim is not None and options.unflatten_weights and optim.num_param_groups != 1:
         raise ReshardError(
             f"{labels[0]}: {OPTIM} has {optim.num_param_groups} param groups but fairscale's consolidated "
@@ -230,25 +232,42 @@ def analyze_inputs(structures: Sequence[Mapping[str, Any]], labels: Sequence[str
 
 def output_tensors(source: Source, options: ReshardOptions, rank: int) -> list[OutTensor]:
     """Every tensor of output shard `rank`: its shape, dtype and the input runs to copy."""
-    model, targets, unflatten = source.model, [], options.unflatten_weights
-    for k, fp in enumerate(model.flat_params):
-        dtype = _cast(model.dtypes[k], options.dtype)
-        if unflatten:
-            for name, shape, (start, end) in zip(fp.names, fp.shapes, fp.ranges()):
-                targets.append(OutTensor(("model", name), shape, dtype, plan_range(model.sources[k], start, end)))
-        else:
-            start, end, padded_len = shard_range(fp.numel, options.num_output_shards, rank)
-            runs = plan_range(model.sources[k], start, end)
-            targets.append(OutTensor(("model", fp.key), Size([padded_len]), dtype, runs))
-    for extra in model.extras:  # buffers: copied (compact) from input 0
-        if extra.shape is not None:
-            n = extra.shape.numel()
-            runs = (Run(0, ("model", extra.actual_key), 0, 0, n),) if n else ()
-            targets.append(OutTensor(("model", extra.key), extra.shape, _cast(extra.dtype, options.dtype), runs))
-    if source.optim is not None and unflatten:
+    model = source.model
+    targets = _flat_targets(model, ("model",), model.sources, model.dtypes, options, rank)
+    targets += _extra_targets(model.extras, ("model",), options)
+    for mirror in model.mirrors:  # EMA: cut like the model, never cast
+        root = ("extra_state", mirror.name)
+        targets += _flat_targets(model, root, mirror.sources, mirror.dtypes, options.without_dtype, rank)
+        targets += _extra_targets(mirror.extras, root, options.without_dtype)
+    if source.optim is not None and options.unflatten_weights:
         targets += consolidated_optimizer_targets(source.optim, model)
     elif source.optim is not None:
         targets += flat_optimizer_targets(source.optim, model, options.num_output_shards, rank)
+    return targets
+
+
+def _flat_targets(model: ModelLayout, root: tuple, sources: Sequence, dtypes: Sequence[DType],
+                  options: ReshardOptions, rank: int) -> list[OutTensor]:
+    """The flat parameters (or, unflattening, the original parameters) whose elements `sources` hold."""
+    targets = []
+    for k, fp in enumerate(model.flat_params):
+        dtype = _cast(dtypes[k], options.dtype)
+        if options.unflatten_weights:
+            for name, shape, (start, end) in zip(fp.names, fp.shapes, fp.ranges()):
+                targets.append(OutTensor((*root, name), shape, dtype, plan_range(sources[k], start, end)))
+        else:
+            start, end, padded_len = shard_range(fp.numel, options.num_output_shards, rank)
+            targets.append(OutTensor((*root, fp.key), Size([padded_len]), dtype, plan_range(sources[k], start, end)))
+    return targets
+
+
+def _extra_targets(extras: Sequence[Extra], root: tuple, options: ReshardOptions) -> list[OutTensor]:
+    """Tensors other than flat parameters (buffers): copied (compact) from input 0."""
+    targets = []
+    for extra in (e for e in extras if e.shape is not None):
+        n = extra.shape.numel()
+        runs = (Run(0, (*root, extra.actual_key), 0, 0, n),) if n else ()
+        targets.append(OutTensor((*root, extra.key), extra.shape, _cast(extra.dtype, options.dtype), runs))
     return targets
 
 
@@ -288,8 +307,8 @@ def assemble_output(plan: Plan, out: OutFile) -> dict[str, Any]:
             result[key] = assemble_consolidated_optimizer(value, source.optim, source.model, tensors)
         elif key == OPTIM and source.optim is not None:
             result[key] = assemble_flat_optimizer(value, source.optim, source.model, tensors, out.rank)
-        elif key == "extra_state" and options.drop_metaseq_req and value is not None:
-            result[key] = {**value, "train_iterator": None}
+        elif key == "extra_state" and isinstance(value, Mapping):
+            result[key] = _assemble_extra_state(source.model, options, value, tensors)
         else:
             result[key] = value
     if options.drop_metaseq_req and result.get("extra_state") is None:
@@ -297,16 +316,29 @@ def assemble_output(plan: Plan, out: OutFile) -> dict[str, Any]:
     return result
 
 
-def _assemble_model(model: ModelLayout, options: ReshardOptions, model0: Mapping[str, Any], tensors: dict) -> dict:
+def _assemble_model(model: ModelLayout, options: ReshardOptions, model0: Mapping[str, Any], tensors: dict,
+                    root: tuple = ("model",), extras: Sequence[Extra] | None = None) -> dict:
     out: dict[str, Any] = {}
     for fp in model.flat_params:
         for key in fp.names if options.unflatten_weights else (fp.key,):
-            out[key] = tensors[("model", key)]
+            out[key] = tensors[(*root, key)]
     if options.unflatten_weights:
         for src, dst in model.ties:  # the same tensor: saved once, loaded as a tie
             out[dst] = out[src]
-    for extra in model.extras:
-        out[extra.key] = tensors[("model", extra.key)] if extra.shape is not None else model0[extra.actual_key]
+    for extra in model.extras if extras is None else extras:
+        out[extra.key] = tensors[(*root, extra.key)] if extra.shape is not None else model0[extra.actual_key]
+    return out
+
+
+def _assemble_extra_state(model: ModelLayout, options: ReshardOptions, extra0: Mapping[str, Any],
+                          tensors: dict) -> dict[str, Any]:
+    """Input 0's extra_state with the mirrors (EMA) cut like the model; `--drop-metaseq-req` applied."""
+    out = dict(extra0)
+    for mirror in model.mirrors:
+        out[mirror.name] = _assemble_model(model, options, extra0[mirror.name], tensors,
+                                           ("extra_state", mirror.name), mirror.extras)
+    if options.drop_metaseq_req:
+        out["train_iterator"] = None
     return out
 
 

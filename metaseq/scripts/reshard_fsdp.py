@@ -102,8 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="set extra_state['train_iterator'] to None (the data position)")
     parser.add_argument("--overwrite", action="store_true", help="replace existing output files")
     parser.add_argument("--trust-checkpoint", action="store_true",
-                        help="allow arbitrary pickled objects in the inputs; unpickling can run code, "
-                        "so only for files from a source you trust")
+                        help="only for inputs in torch's legacy (non-zip) format, which torch.load reads: let it "
+                        "load classes outside the checkpoint format, which can run code, so only for files you "
+                        "trust. Other inputs never need it: objects of any class are carried without being loaded")
     parser.add_argument("--verify", action="store_true",
                         help="check the inputs' CRC32s before writing, then re-read the outputs and check every "
                         "tensor is bit-identical to the inputs (reads the inputs twice more, the outputs once)")
