@@ -1,4 +1,4 @@
-"""Logging and error reporting shared by the command-line tools.
+"""Logging, error reporting and flag types shared by the command-line tools.
 
 Library code only logs; a CLI's `main()` wraps its run in `cli_logging()` so that
 messages go to stderr as `LEVEL: message` for that call alone, and reports any
@@ -14,7 +14,10 @@ from typing import Iterator
 
 from metaseq.errors import UserError, one_line_error
 
-__all__ = ["OneLineErrorParser", "cli_logging", "one_line_error"]
+__all__ = ["OneLineErrorParser", "add_bool_flag", "cli_logging", "one_line_error", "parse_bool", "positive_int"]
+
+TRUE_WORDS = {"true", "1", "yes", "y", "on"}
+FALSE_WORDS = {"false", "0", "no", "n", "off"}
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -40,3 +43,27 @@ def cli_logging(level: int = logging.INFO) -> Iterator[logging.Logger]:
         package_logger.removeHandler(handler)
         package_logger.setLevel(saved[0])
         package_logger.propagate = saved[1]
+
+
+def parse_bool(text: str) -> bool:
+    """`True`/`False` in the spellings people use (true/false, 1/0, yes/no, on/off)."""
+    word = text.strip().lower()
+    if word in TRUE_WORDS | FALSE_WORDS:
+        return word in TRUE_WORDS
+    raise argparse.ArgumentTypeError(f"expected True or False, got {text!r}")
+
+
+def add_bool_flag(parser: argparse.ArgumentParser, name: str, help_text: str) -> None:
+    """`--name`, `--name True/False` and `--no-name`, as metaseq's scripts take them."""
+    dest = name.replace("-", "_")
+    parser.add_argument(
+        f"--{name}", dest=dest, nargs="?", const=True, default=False, type=parse_bool, metavar="BOOL", help=help_text
+    )
+    parser.add_argument(f"--no-{name}", dest=dest, action="store_false", help=f"same as --{name} False")
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value

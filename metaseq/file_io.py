@@ -24,6 +24,7 @@ __all__ = [
     "atomic_output",
     "atomic_torch_save",
     "check_checkpoint_crc",
+    "find_model_parts",
     "find_shards",
     "load_checkpoint",
     "natural_sort_key",
@@ -67,12 +68,50 @@ def find_shards(pattern: str, *, flag: str = "--input-glob-pattern") -> list[str
     differs between the names (`out/s0.pt`, `out/s1.pt`, ...); indices must be exactly
     0..N-1 and every file of one model part. Errors name the file and the fix (`flag`).
     """
-    paths = sorted((p for p in glob.glob(pattern) if os.path.isfile(p)), key=natural_sort_key)
-    if not paths:
-        raise UserError(f"{flag} {pattern!r} matches no files")
+    paths = _glob_files(pattern, flag)
     if len(paths) == 1:
         return paths
     _check_one_part(paths)
+    return _order_shards(paths, flag)
+
+
+def find_model_parts(pattern: str, *, flag: str = "--input-glob-pattern") -> list[list[str]]:
+    """The files `pattern` matches grouped by model part (`model_part-J`), each part's shards ordered.
+
+    Parts must be exactly 0..P-1, each with the same number of shard files (one, for
+    consolidated files); a missing shard file is named.
+    """
+    by_part: dict[int, list[str]] = {}
+    for path in _glob_files(pattern, flag):
+        part = _last_int(_PART_RE, path)
+        if part is None:
+            raise UserError(f"{path}: no model part ('model_part-J') in its name; narrow {flag}")
+        by_part.setdefault(part, []).append(path)
+    missing = sorted(set(range(max(by_part) + 1)) - set(by_part))
+    if missing:
+        raise UserError(f"model_part-{missing[0]} is missing: {flag} {pattern!r} matches parts {sorted(by_part)}")
+    counts = {j: len(paths) for j, paths in by_part.items()}
+    most = max(counts.values())
+    for j, paths in sorted(by_part.items()):
+        if len(paths) < most:
+            have = {_last_int(_SHARD_RE, p) for p in paths}
+            lack = min(set(range(most)) - have)
+            example = next(p for p in paths if _last_int(_SHARD_RE, p) is not None)
+            name = re.sub(r"shard\d+", f"shard{lack}", os.path.basename(example))
+            raise UserError(f"{os.path.join(os.path.dirname(example), name)} is missing: model_part-{j} has "
+                            f"{len(paths)} shard files, other parts {most}; every part has as many shards")
+    return [_order_shards(by_part[j], flag) if len(by_part[j]) > 1 else by_part[j] for j in sorted(by_part)]
+
+
+def _glob_files(pattern: str, flag: str) -> list[str]:
+    paths = sorted((p for p in glob.glob(pattern) if os.path.isfile(p)), key=natural_sort_key)
+    if not paths:
+        raise UserError(f"{flag} {pattern!r} matches no files")
+    return paths
+
+
+def _order_shards(paths: Sequence[str], flag: str) -> list[str]:
+    """Shard files of one part in index order; indices exactly 0..N-1."""
     indices = _shard_indices(paths)
     seen: dict[int, str] = {}
     for path, index in zip(paths, indices):

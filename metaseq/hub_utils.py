@@ -16,6 +16,7 @@ The model is rebuilt from the checkpoint's `cfg["model"]`, so no size flags are 
 """
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import re
@@ -38,6 +39,7 @@ from metaseq.reshard.plan import plan_structures, read_inputs
 from metaseq.reshard.schema import clean_key
 from metaseq.reshard.write import list_jobs, write_outputs
 from metaseq.tokenizer import BOS, EOS, PAD, UNK, VOCAB_SIZE, encode
+from metaseq.torchzip import NeedsTorch, Opaque, read_checkpoint, to_torch
 
 __all__ = [
     "NEWLINE",
@@ -50,6 +52,8 @@ __all__ = [
     "generate_ids",
     "load_inference_checkpoint",
     "next_tokens",
+    "plain_config",
+    "read_servable",
     "resolve_checkpoint_files",
     "unflatten_command",
 ]
@@ -112,7 +116,7 @@ def load_inference_checkpoint(path: str, *, trust: bool = False) -> dict[str, An
     """
     files, sharded = resolve_checkpoint_files(path)
     if not sharded:
-        return load_checkpoint(files[0], trust=trust)
+        return read_servable(files[0], trust=trust)
     with tempfile.TemporaryDirectory(prefix="metaseq-consolidate-") as tmp:
         out = os.path.join(tmp, "reshard-model_part-0.pt")
         options = ReshardOptions(output_shard_name=out, unflatten_weights=True, skip_optimizer_state=True,
@@ -123,7 +127,38 @@ def load_inference_checkpoint(path: str, *, trust: bool = False) -> dict[str, An
         except ReshardError as e:  # e.g. an incomplete or inconsistent shard set
             raise InferenceLoadError(f"--path {path}: cannot consolidate {len(files)} shard files: {e}") from None
         logger.info("consolidated %d shard files (%s ... %s)", len(files), files[0], files[-1])
-        return load_checkpoint(out, trust=trust)
+        return read_servable(out, trust=trust)
+
+
+def read_servable(path: str, *, trust: bool = False) -> dict[str, Any]:
+    """A file's `model` (torch tensors) and `cfg`, read without running anything it holds.
+
+    The rest of a checkpoint (optimizer state, extra_state with objects of classes that
+    may not exist here, such as upstream's data loader state) is not needed to serve it.
+    Only files in torch's legacy format are loaded with torch (`trust` as for training).
+    """
+    try:
+        structure, _ = read_checkpoint(path)
+    except NeedsTorch:
+        return load_checkpoint(path, trust=trust)
+    if not isinstance(structure, dict):
+        raise InferenceLoadError(f"{path}: expected a checkpoint dict, found {type(structure).__name__}")
+    return {key: to_torch(plain_config(structure[key])) for key in ("model", "cfg") if key in structure}
+
+
+def plain_config(obj: Any) -> Any:
+    """A carried config as plain objects: `argparse.Namespace` records as Namespaces, omegaconf containers
+    (upstream's `restored.pt`) as dicts and lists of their values; anything else as it is."""
+    if isinstance(obj, Opaque) and obj.qualname == "Namespace" and isinstance(obj.state, dict):
+        return argparse.Namespace(**plain_config(obj.state))
+    if isinstance(obj, Opaque) and isinstance(obj.state, dict) and obj.module.startswith("omegaconf"):
+        content = obj.state.get("_content", obj.state.get("_val"))
+        return plain_config(content)
+    if isinstance(obj, dict):
+        return {key: plain_config(value) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(plain_config(value) for value in obj)
+    return obj
 
 
 def build_inference_model(ckpt: Mapping[str, Any], *, source: str) -> TransformerLanguageModel:

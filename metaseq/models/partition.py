@@ -14,37 +14,70 @@ or replicated (every part holds all of it):
 A fused `qkv_proj` is three blocks on dim 0; part j holds `[q_j; k_j; v_j]`, the j-th
 slice of each block, which is what `ColumnParallelLinear(C, 3C, stride=3)` keeps of its
 master weight. Merging the P parts of a model-parallel state dict gives the plain
-(P = 1) model's state dict, names unchanged. Pure functions, no I/O.
+(P = 1) model's state dict, names unchanged. `RULES` is the one table: a new
+architecture adds rows. Pure functions, no I/O; torch only for the tensor helpers.
 """
 from __future__ import annotations
 
-from typing import Mapping
+import fnmatch
+from typing import TYPE_CHECKING, Mapping, NamedTuple
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-__all__ = ["merge_param", "merge_state_dicts", "partition_dim", "split_param", "split_state_dict", "strided_blocks"]
+__all__ = [
+    "RULES",
+    "Rule",
+    "merge_param",
+    "merge_state_dicts",
+    "partition_dim",
+    "rule_for",
+    "split_param",
+    "split_state_dict",
+    "strided_blocks",
+]
 
-_ROW_SPLIT = ("embed_tokens.weight", "output_projection.weight")  # vocab-parallel, dim 0
-_COLUMN_LAYERS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "fc1")  # dim 0, weight and bias
-_ROW_LAYERS = ("out_proj", "fc2")  # weight on dim 1, bias replicated
+
+class Rule(NamedTuple):
+    """Parameters whose name ends like `pattern` (fnmatch) are cut on `dim` into equal slices per part.
+
+    With `blocks` > 1 the dimension holds that many equal blocks, each sliced separately.
+    `what` names the split in errors ("vocabulary rows", "rows", "columns").
+    """
+
+    pattern: str
+    dim: int
+    blocks: int
+    what: str
+
+
+RULES = (  # first match wins; names that match none are replicated
+    Rule("*embed_tokens.weight", 0, 1, "vocabulary rows"),  # VocabParallelEmbedding
+    Rule("*output_projection.weight", 0, 1, "vocabulary rows"),  # tied to it, or untied: the same cut
+    Rule("*qkv_proj.weight", 0, 3, "rows"),  # ColumnParallelLinear(C, 3C, stride=3): [q_j; k_j; v_j]
+    Rule("*qkv_proj.bias", 0, 3, "rows"),
+    *(Rule(f"*{layer}.{leaf}", 0, 1, "rows") for layer in ("q_proj", "k_proj", "v_proj", "fc1")
+      for leaf in ("weight", "bias")),  # ColumnParallelLinear
+    Rule("*out_proj.weight", 1, 1, "columns"),  # RowParallelLinear: its bias is replicated
+    Rule("*fc2.weight", 1, 1, "columns"),
+)
+
+
+def rule_for(name: str) -> Rule | None:
+    """The rule that cuts parameter `name`, or None when every part holds all of it."""
+    return next((r for r in RULES if fnmatch.fnmatchcase(name, r.pattern)), None)
 
 
 def partition_dim(name: str) -> int | None:
     """The dimension along which `name` is split across parts, or None when it is replicated."""
-    parts = name.split(".")
-    layer, leaf = (parts[-2], parts[-1]) if len(parts) > 1 else ("", parts[-1])
-    if f"{layer}.{leaf}" in _ROW_SPLIT:
-        return 0
-    if layer in _COLUMN_LAYERS and leaf in ("weight", "bias"):
-        return 0
-    if layer in _ROW_LAYERS and leaf == "weight":
-        return 1
-    return None
+    rule = rule_for(name)
+    return None if rule is None else rule.dim
 
 
 def strided_blocks(name: str) -> int:
     """How many equal blocks on the split dimension are sliced separately: 3 for a fused qkv_proj, else 1."""
-    return 3 if name.split(".")[-2:-1] == ["qkv_proj"] else 1
+    rule = rule_for(name)
+    return 1 if rule is None else rule.blocks
 
 
 def split_param(name: str, full: torch.Tensor, parts: int) -> list[torch.Tensor]:
@@ -55,12 +88,16 @@ def split_param(name: str, full: torch.Tensor, parts: int) -> list[torch.Tensor]
     blocks = strided_blocks(name)
     if full.size(dim) % (parts * blocks):
         raise ValueError(f"{name}: size {full.size(dim)} on dim {dim} is not divisible by {parts} parts x {blocks} blocks")
+    import torch
+
     slices = [block.chunk(parts, dim=dim) for block in full.chunk(blocks, dim=dim)]  # [block][part]
     return [torch.cat([s[j] for s in slices], dim=dim) for j in range(parts)]
 
 
 def merge_param(name: str, slices: list[torch.Tensor]) -> torch.Tensor:
     """Inverse of `split_param`; a replicated tensor must be equal in every part."""
+    import torch
+
     dim = partition_dim(name)
     if dim is None:
         for j, other in enumerate(slices[1:], start=1):

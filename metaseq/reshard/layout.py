@@ -133,10 +133,14 @@ def analyze_model(shards: Sequence[Mapping[str, Any]], labels: Sequence[str]) ->
 
 
 def output_metadata(layout: ModelLayout, paddings: Sequence[int]) -> ShardMetadata:
-    """Rank 0's shard_metadata with each flat parameter's padding replaced."""
+    """Rank 0's shard_metadata with each flat parameter's padding (and, if they changed, shapes) replaced."""
     meta = copy.deepcopy(layout.metadata)
     for fp, pad in zip(layout.flat_params, paddings, strict=True):
-        meta["param_metadata"][fp.instance]["params"][fp.backing_name]["padding"] = pad
+        entry = meta["param_metadata"][fp.instance]["params"][fp.backing_name]
+        entry["padding"] = pad
+        if tuple(Size(s) for s in entry["shapes"]) != fp.shapes:  # another model-parallel cut: same types
+            entry["shapes"] = [type(old)(new) for old, new in zip(entry["shapes"], fp.shapes)]
+            entry["numels"] = list(fp.numels)
     return meta
 
 

@@ -24,6 +24,7 @@ class ReshardOptions:
     input_glob_pattern: str = ""  # files: the shards of one model part, or one consolidated file ('{j}': every part)
     output_shard_name: str = ""  # '{i}': the output shard index, '{j}': the model part
     num_output_shards: int = 1
+    num_output_parts: int | None = None  # model parallelism: Q parts (None: each part resharded on its own)
     unflatten_weights: bool = False  # original parameter names and shapes (one output)
     skip_optimizer_state: bool = False
     output_dtype: str | None = None  # a key of DTYPES: floating model weights and buffers only
@@ -45,6 +46,8 @@ class ReshardOptions:
             )
         if self.output_dtype is not None and self.output_dtype not in DTYPES:
             raise ReshardError(f"--output-dtype={self.output_dtype}: expected one of {', '.join(DTYPES)}")
+        if self.num_output_parts is not None and self.num_output_parts < 1:
+            raise ReshardError(f"--num-output-parts={self.num_output_parts}: must be at least 1")
         if self.num_workers is not None and self.num_workers < 1:
             raise ReshardError(f"--num-workers={self.num_workers}: must be at least 1")
 

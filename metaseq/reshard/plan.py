@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from metaseq.errors import ReshardError, UserError
-from metaseq.file_io import find_shards, load_checkpoint
+from metaseq.file_io import find_model_parts, find_shards, load_checkpoint
 from metaseq.reshard.layout import Extra, ModelLayout, analyze_model, output_metadata
 from metaseq.reshard.optim import (
     OptimLayout,
@@ -33,10 +33,11 @@ from metaseq.reshard.optim import (
     consolidated_optimizer_targets,
     flat_optimizer_targets,
 )
+from metaseq.reshard.model_parallel import check_parts_fit, cut_model_parts, global_shapes, shift_inputs
 from metaseq.reshard.options import ReshardOptions
 from metaseq.reshard.ranges import OutTensor, Run, plan_range, shard_range
 from metaseq.reshard.schema import OPTIM, is_tensor
-from metaseq.torchzip import Copy, DType, NeedsTorch, Size, TensorRef, from_torch, read_checkpoint
+from metaseq.torchzip import Copy, DType, NeedsTorch, Opaque, Size, TensorRef, from_torch, read_checkpoint
 
 __all__ = [
     "InputFile",
@@ -48,6 +49,7 @@ __all__ = [
     "describe_plan",
     "expand_model_parts",
     "output_tensors",
+    "plan_model_parallel",
     "plan_reshard",
     "plan_structures",
     "summarize_plan",
@@ -78,6 +80,8 @@ class OutFile:
     path: str
     rank: int  # output shard index
     tensors: tuple[OutTensor, ...]
+    part: int = 0  # output model part
+    source: Source | None = None  # its part's layout when model parallelism changes (else the plan's)
 
     @property
     def nbytes(self) -> int:
@@ -93,7 +97,12 @@ class Plan:
 
 
 def plan_reshard(options: ReshardOptions) -> list[Plan]:
-    """One plan per model part (`{j}` in both names, else one); raises before anything is written."""
+    """One plan per model part (`{j}` in both names, else one); raises before anything is written.
+
+    With `num_output_parts`, one plan from every part's inputs to Q x M outputs.
+    """
+    if options.num_output_parts is not None:
+        return [plan_model_parallel(options)]
     plans = []
     for pattern, name in expand_model_parts(options.input_glob_pattern, options.output_shard_name):
         try:
@@ -109,6 +118,73 @@ def plan_reshard(options: ReshardOptions) -> list[Plan]:
             raise ReshardError(f"--output-shard-name: {path} would be written for two model parts; use '{PART}'")
         seen.add(path)
     return plans
+
+
+def plan_model_parallel(options: ReshardOptions) -> Plan:
+    """P parts x N shards (or P consolidated files) -> `num_output_parts` x `num_output_shards` files."""
+    try:
+        groups = find_model_parts(options.input_glob_pattern)
+    except UserError as e:
+        raise ReshardError(str(e)) from None
+    paths = [path for group in groups for path in group]
+    logger.info("found %d model part(s) x %d file(s) matching %r", len(groups), len(groups[0]), options.input_glob_pattern)
+    inputs = read_inputs(paths, trust=options.trust_checkpoint)
+    structures = [i.structure for i in inputs]
+    _check_declared_parts(structures[0], groups)
+    parts, first = [], 0
+    for group in groups:
+        source = analyze_inputs(structures[first : first + len(group)], group, options)
+        parts.append(shift_inputs(source.model, source.optim, first))
+        first += len(group)
+    num_parts, num_shards = options.num_output_parts, options.num_output_shards
+    check_parts_fit(global_shapes([model for model, _ in parts]), num_parts, _cfg_model(structures[0], "decoder_attention_heads"))
+    names = _part_names(options, num_parts, paths)
+    files = []
+    for q in range(num_parts):
+        source = Source(*cut_model_parts([m for m, _ in parts], [o for _, o in parts], num_parts, q, structures))
+        files += [OutFile(names[q][m], m, tuple(output_tensors(source, options, m)), q, source) for m in range(num_shards)]
+    plan = Plan(options, tuple(inputs), files[0].source, tuple(files))
+    for out in files:
+        for tensor in out.tensors:
+            for run in tensor.runs:
+                _check_source(plan, run)
+    assemble_output(plan, files[0])
+    return plan
+
+
+def _check_declared_parts(structure: Mapping[str, Any], groups: Sequence[Sequence[str]]) -> None:
+    """The inputs hold every part their cfg says the model has."""
+    cfg = structure.get("cfg")
+    common = cfg.get("common") if isinstance(cfg, Mapping) else None
+    declared = common.get("model_parallel_size") if isinstance(common, Mapping) else None
+    if isinstance(declared, int) and declared > len(groups):
+        raise ReshardError(
+            f"model_part-{len(groups)} is missing: cfg['common']['model_parallel_size'] of {groups[0][0]} says the "
+            f"model has {declared} parts but --input-glob-pattern matches {len(groups)}"
+        )
+
+
+def _cfg_model(structure: Mapping[str, Any], field: str) -> Any:
+    """cfg['model'][field], whether cfg['model'] is a dict or a (carried) argparse.Namespace; None if absent."""
+    cfg = structure.get("cfg")
+    model = cfg.get("model") if isinstance(cfg, Mapping) else None
+    fields = model.state if isinstance(model, Opaque) else model
+    return fields.get(field) if isinstance(fields, Mapping) else None
+
+
+def _part_names(options: ReshardOptions, num_parts: int, inputs: Sequence[str]) -> list[list[str]]:
+    """Output names per part: `{j}` the part, `{i}` the shard."""
+    name = options.output_shard_name
+    if num_parts > 1 and PART not in name:
+        raise ReshardError(
+            f"--num-output-parts={num_parts} but --output-shard-name {name!r} has no '{PART}'; add it where the "
+            "model part goes, e.g. 'out/checkpoint_last-model_part-{j}-shard{i}.pt'"
+        )
+    if re.search(r"\d\{j\}|\{j\}\d", name):
+        raise ReshardError(f"--output-shard-name {name!r}: digits next to '{PART}' would make the model part "
+                           "unreadable when the files are read back; separate them, e.g. '...-model_part-{j}-...'")
+    return [output_paths(name.replace(PART, str(q)), options.num_output_shards, inputs, overwrite=options.overwrite)
+            for q in range(num_parts)]
 
 
 def expand_model_parts(input_glob_pattern: str, output_shard_name: str) -> list[tuple[str, str]]:
@@ -293,7 +369,7 @@ def tensor_ref(tensor: OutTensor, inputs: Sequence[InputFile]) -> TensorRef:
 
 def assemble_output(plan: Plan, out: OutFile) -> dict[str, Any]:
     """Output `out`'s object: fresh compact tensors, every other top-level key from input 0."""
-    source, options = plan.source, plan.options
+    source, options = out.source or plan.source, plan.options
     tensors = {t.path: tensor_ref(t, plan.inputs) for t in out.tensors}
     result: dict[str, Any] = {}
     for key, value in plan.inputs[0].structure.items():
@@ -309,6 +385,8 @@ def assemble_output(plan: Plan, out: OutFile) -> dict[str, Any]:
             result[key] = assemble_flat_optimizer(value, source.optim, source.model, tensors, out.rank)
         elif key == "extra_state" and isinstance(value, Mapping):
             result[key] = _assemble_extra_state(source.model, options, value, tensors)
+        elif key == "cfg" and options.num_output_parts is not None and isinstance(value, Mapping):
+            result[key] = _cfg_for_parts(value, options, out.part)
         else:
             result[key] = value
     if options.drop_metaseq_req and result.get("extra_state") is None:
@@ -339,6 +417,18 @@ def _assemble_extra_state(model: ModelLayout, options: ReshardOptions, extra0: M
                                            ("extra_state", mirror.name), mirror.extras)
     if options.drop_metaseq_req:
         out["train_iterator"] = None
+    return out
+
+
+def _cfg_for_parts(cfg: Mapping[str, Any], options: ReshardOptions, part: int) -> dict[str, Any]:
+    """Input 0's cfg with the new model-parallel size, world size and part suffix (where it has them)."""
+    out = dict(cfg)
+    updates = {("common", "model_parallel_size"): options.num_output_parts,
+               ("distributed_training", "distributed_world_size"): options.num_output_parts * options.num_output_shards,
+               ("checkpoint", "checkpoint_suffix"): f"-model_part-{part}"}
+    for (section, field), value in updates.items():
+        if isinstance(out.get(section), Mapping) and (field in out[section] or section == "common"):
+            out[section] = {**out[section], field: value}
     return out
 
 

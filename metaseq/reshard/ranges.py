@@ -10,7 +10,7 @@ from typing import Any, NamedTuple, Sequence
 
 from metaseq.torchzip import DType, Size
 
-__all__ = ["OutTensor", "Run", "Span", "plan_range", "shard_range"]
+__all__ = ["OutTensor", "Run", "Span", "join_spans", "plan_range", "shard_range", "sub_spans"]
 
 
 class Span(NamedTuple):
@@ -60,6 +60,23 @@ def plan_range(spans: Sequence[Span], start: int, end: int, offset: int = 0) -> 
         span_start = span_end
     assert start >= end or span_start >= end, f"range [{start}, {end}) beyond the {span_start} source elements"
     return tuple(runs)
+
+
+def sub_spans(spans: Sequence[Span], start: int, end: int) -> list[Span]:
+    """The spans of elements [start, end) of `spans` laid end to end."""
+    return [Span(r.input, r.path, r.start, r.length) for r in plan_range(spans, start, end)]
+
+
+def join_spans(spans: Sequence[Span]) -> tuple[Span, ...]:
+    """The same elements with neighbours that continue each other in one input tensor merged."""
+    out: list[Span] = []
+    for span in spans:
+        last = out[-1] if out else None
+        if last is not None and (last.input, last.path, last.start + last.length) == (span.input, span.path, span.start):
+            out[-1] = last._replace(length=last.length + span.length)
+        elif span.length:
+            out.append(span)
+    return tuple(out)
 
 
 class OutTensor(NamedTuple):

@@ -9,7 +9,7 @@ import argparse
 import logging
 import sys
 
-from metaseq.cli_logging import cli_logging
+from metaseq.cli_logging import cli_logging, parse_bool
 from metaseq.file_io import CheckpointLoadError
 from metaseq.hf import ConversionError, convert_from_hf
 from metaseq.reshard import ReshardError
@@ -37,20 +37,9 @@ config.json or weights, untied heads, activations other than ReLU, post-LayerNor
 word_embed_proj_dim != hidden_size) and models without biases or LayerNorm weights.
 """
 
-TRUE_WORDS = {"true", "1", "yes", "y", "on"}
-FALSE_WORDS = {"false", "0", "no", "n", "off"}
-
-
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
         raise ConversionError(f"{message} (see --help)")
-
-
-def parse_bool(text: str) -> bool:
-    word = text.strip().lower()
-    if word in TRUE_WORDS | FALSE_WORDS:
-        return word in TRUE_WORDS
-    raise argparse.ArgumentTypeError(f"expected True or False, got {text!r}")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -14,7 +14,7 @@ import sys
 import threading
 from typing import Any
 
-from metaseq.cli_logging import OneLineErrorParser, cli_logging, one_line_error
+from metaseq.cli_logging import OneLineErrorParser, add_bool_flag, cli_logging, one_line_error, positive_int
 from metaseq.reshard import ReshardError, ReshardOptions, describe_plan, reshard, reshard_fsdp_checkpoints
 from metaseq.reshard.distributed import World, detect_world
 from metaseq.reshard.options import DTYPES
@@ -57,28 +57,6 @@ torch's legacy (non-zip) format are loaded with torch into memory. --num-workers
 writes K outputs at once, in K threads (default: one per CPU).
 """
 
-TRUE_WORDS = {"true", "1", "yes", "y", "on"}
-FALSE_WORDS = {"false", "0", "no", "n", "off"}
-
-
-def parse_bool(text: str) -> bool:
-    word = text.strip().lower()
-    if word in TRUE_WORDS:
-        return True
-    if word in FALSE_WORDS:
-        return False
-    raise argparse.ArgumentTypeError(f"expected True or False, got {text!r}")
-
-
-def _add_bool_flag(parser: argparse.ArgumentParser, name: str, help_text: str) -> None:
-    """`--name`, `--name True/False` (true/false/1/0/yes/no) and `--no-name`."""
-    dest = name.replace("-", "_")
-    parser.add_argument(
-        f"--{name}", dest=dest, nargs="?", const=True, default=False, type=parse_bool, metavar="BOOL", help=help_text
-    )
-    parser.add_argument(f"--no-{name}", dest=dest, action="store_false", help=f"same as --{name} False")
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrorParser(
         prog="python -m metaseq.scripts.reshard_fsdp",
@@ -94,8 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output-shard-name", "--output", dest="output_shard_name", required=True,
                         help="output file name; '{i}' is replaced by the output shard index, '{j}' by the model part")
     parser.add_argument("--num-output-shards", type=int, default=1, help="number of output shards M (default 1)")
-    _add_bool_flag(parser, "skip-optimizer-state", "drop last_optimizer_state from the outputs")
-    _add_bool_flag(parser, "unflatten-weights", "write original parameter names and shapes (needs M = 1)")
+    add_bool_flag(parser, "skip-optimizer-state", "drop last_optimizer_state from the outputs")
+    add_bool_flag(parser, "unflatten-weights", "write original parameter names and shapes (needs M = 1)")
     parser.add_argument("--output-dtype", choices=sorted(DTYPES), default=None,
                         help="cast floating-point model weights and buffers (never optimizer state)")
     parser.add_argument("--drop-metaseq-req", action="store_true",
@@ -110,19 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "tensor is bit-identical to the inputs (reads the inputs twice more, the outputs once)")
     parser.add_argument("--torch-io", action="store_true",
                         help="deprecated, no effect: every output is written by the same byte-copying writer")
-    parser.add_argument("--num-workers", type=_positive_int, default=None, metavar="K",
+    parser.add_argument("--num-workers", type=positive_int, default=None, metavar="K",
                         help="write K output files at once, in K threads (default: one per CPU, at most one "
                         "per output)")
     parser.add_argument("--dry-run", action="store_true", help="print the plan and write nothing")
     parser.add_argument("--quiet", action="store_true", help="log warnings and errors only")
     return parser
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def _run(args: argparse.Namespace, world: World | None) -> int:

@@ -1,0 +1,227 @@
+"""Model-parallel resharding: the same global tensors cut into Q model parts instead of P.
+
+A parameter that `metaseq.models.partition.RULES` cuts is, across the P input parts,
+one global tensor; output part q's slice of it is a list of element pieces of the input
+parts' slices. So every output part gets a layout whose flat parameters' `Span`s point
+into the input files, like any FSDP input, and `plan.output_tensors` shards or
+unflattens it as always. Pure, but for reading replicated tensors to warn when parts differ.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from typing import Any, Sequence
+
+from metaseq.errors import ReshardError
+from metaseq.models.partition import Rule, rule_for
+from metaseq.reshard.layout import FlatParam, Mirror, ModelLayout
+from metaseq.reshard.optim import OptimLayout, StateEntry
+from metaseq.reshard.ranges import Span, join_spans, sub_spans
+from metaseq.torchzip import DType, Size, read_at
+
+__all__ = ["check_parts_fit", "cut_model_parts", "global_shapes", "shift_inputs"]
+
+logger = logging.getLogger(__name__)
+
+
+def shift_inputs(model: ModelLayout, optim: OptimLayout | None, offset: int) -> tuple[ModelLayout, OptimLayout | None]:
+    """The same layout with its spans' input indices moved by `offset` (a part's inputs among all parts')."""
+    def moved(spans: Sequence[Span]) -> tuple[Span, ...]:
+        return tuple(s._replace(input=s.input + offset) for s in spans)
+
+    model = dataclasses.replace(model, sources=tuple(moved(s) for s in model.sources), mirrors=tuple(
+        dataclasses.replace(m, sources=tuple(moved(s) for s in m.sources)) for m in model.mirrors))
+    if optim is not None:
+        optim = dataclasses.replace(optim, entries={k: tuple(
+            dataclasses.replace(e, segments=moved(e.segments)) if e.segments is not None else e for e in entries)
+            for k, entries in optim.entries.items()})
+    return model, optim
+
+
+def global_shapes(parts: Sequence[ModelLayout]) -> dict[str, Size]:
+    """Every parameter's global shape, checked: cut parameters alike in every part, replicated ones equal."""
+    first = parts[0]
+    for p, part in enumerate(parts[1:], start=1):
+        if [(fp.key, fp.names) for fp in part.flat_params] != [(fp.key, fp.names) for fp in first.flat_params]:
+            raise ReshardError(f"{part.labels[0]}: model part {p} has other parameters than part 0 "
+                               f"({first.labels[0]}); the parts come from different models")
+    shapes = {}
+    for k, fp in enumerate(first.flat_params):
+        for j, name in enumerate(fp.names):
+            local = [part.flat_params[k].shapes[j] for part in parts]
+            if len(set(local)) > 1:
+                raise ReshardError(f"{name}: its shape differs between model parts ({[list(s) for s in local]}); "
+                                   "every part holds an equal slice")
+            rule = rule_for(name)
+            shape = list(local[0])
+            if rule is not None:
+                if rule.dim >= len(shape):
+                    raise ReshardError(f"{name}: shape {shape} has no dim {rule.dim} to cut, as its rule says; "
+                                       "the partition rules do not fit this model")
+                shape[rule.dim] *= len(parts)
+            shapes[name] = Size(shape)
+    return shapes
+
+
+def check_parts_fit(shapes: dict[str, Size], num_parts: int, heads: int | None) -> None:
+    """Refuse a number of output parts that does not divide what each part must hold equally."""
+    if heads is not None and heads % num_parts:
+        raise ReshardError(f"--num-output-parts={num_parts} does not divide the {heads} attention heads in "
+                           f"cfg['model']['decoder_attention_heads']; {_which(heads)} would")
+    for name, shape in shapes.items():
+        rule = rule_for(name)
+        if rule is not None and shape[rule.dim] % (num_parts * rule.blocks):
+            size = shape[rule.dim] // rule.blocks
+            per = f" in each of its {rule.blocks} blocks" if rule.blocks > 1 else ""
+            raise ReshardError(f"--num-output-parts={num_parts} does not divide the {size} {rule.what} of "
+                               f"{name}{per}; {_which(size, heads)} would")
+
+
+def _which(size: int, heads: int | None = None) -> str:
+    fits = [q for q in range(1, min(size, 64) + 1) if size % q == 0 and (heads is None or heads % q == 0)]
+    return "--num-output-parts " + ", ".join(map(str, fits))
+
+
+def cut_model_parts(parts: Sequence[ModelLayout], optims: Sequence[OptimLayout | None], num_parts: int,
+                    part: int, structures: Sequence[Any]) -> tuple[ModelLayout, OptimLayout | None]:
+    """Output part `part` of `num_parts`: its layout (local shapes, spans into the inputs) and optimizer state.
+
+    `structures` are the inputs' objects (spans index them), to compare replicated tensors.
+    """
+    shapes = global_shapes(parts)
+    cut = _Cutter(parts, shapes, num_parts, part, structures)
+    flat_params = tuple(cut.flat_param(k) for k in range(len(parts[0].flat_params)))
+    model = dataclasses.replace(
+        parts[0], labels=tuple(label for p in parts for label in p.labels), flat_params=flat_params,
+        sources=tuple(cut.spans(k, [p.sources[k] for p in parts]) for k in range(len(flat_params))),
+        mirrors=tuple(_cut_mirror(cut, [p.mirrors[i] for p in parts]) for i in range(len(parts[0].mirrors))),
+    )
+    if optims[0] is None:
+        return model, None
+    entries = {k: tuple(cut.entry(k, [o.entries[k][i] for o in optims]) for i in range(len(e)))
+               for k, e in optims[0].entries.items()}
+    return model, dataclasses.replace(optims[0], entries=entries)
+
+
+def _cut_mirror(cut: _Cutter, mirrors: Sequence[Mirror]) -> Mirror:
+    sources = tuple(cut.spans(k, [m.sources[k] for m in mirrors]) for k in range(len(mirrors[0].sources)))
+    return dataclasses.replace(mirrors[0], sources=sources)
+
+
+class _Cutter:
+    """Spans of output part `part`'s flat parameters, from the input parts' spans of theirs."""
+
+    def __init__(self, parts: Sequence[ModelLayout], shapes: dict[str, Size], num_parts: int, part: int,
+                 structures: Sequence[Any]) -> None:
+        self.parts, self.shapes, self.num_parts, self.part = parts, shapes, num_parts, part
+        self.structures = structures
+        self.warned: set[str] = set()
+
+    def local_shape(self, name: str) -> Size:
+        rule, shape = rule_for(name), list(self.shapes[name])
+        if rule is not None:
+            shape[rule.dim] //= self.num_parts
+        return Size(shape)
+
+    def flat_param(self, k: int) -> FlatParam:
+        fp = self.parts[0].flat_params[k]
+        shapes = tuple(self.local_shape(name) for name in fp.names)
+        return dataclasses.replace(fp, shapes=shapes, numels=tuple(s.numel() for s in shapes))
+
+    def spans(self, k: int, part_spans: Sequence[Sequence[Span]]) -> tuple[Span, ...]:
+        """Output flat parameter k's elements: each of its parameters' pieces of the input parts, in order."""
+        out: list[Span] = []
+        for j, name in enumerate(self.parts[0].flat_params[k].names):
+            starts = [p.flat_params[k].ranges()[j][0] for p in self.parts]
+            rule = rule_for(name)
+            if rule is None:
+                local = self.parts[0].flat_params[k].numels[j]
+                self._warn_if_parts_differ(name, [sub_spans(s, a, a + local) for s, a in zip(part_spans, starts)],
+                                           self.parts[0].dtypes[k])
+                out += sub_spans(part_spans[0], starts[0], starts[0] + local)
+                continue
+            for p, offset, length in _pieces(self.shapes[name], rule, len(self.parts), self.num_parts, self.part):
+                out += sub_spans(part_spans[p], starts[p] + offset, starts[p] + offset + length)
+        return join_spans(out)
+
+    def entry(self, k: int, entries: Sequence[StateEntry]) -> StateEntry:
+        """An optimizer state of flat parameter k: per-element ones cut like the parameter, scalars part 0's."""
+        names = {e.name for e in entries}
+        if len(names) > 1:
+            raise ReshardError(f"last_optimizer_state of flat parameter {k} holds {sorted(names)} in different "
+                               "model parts; the parts come from different runs")
+        if entries[0].segments is None:
+            if any(e.per_rank for e in entries):
+                raise ReshardError(f"last_optimizer_state.state[{k}]['{entries[0].name}'] differs between ranks "
+                                   "(per-rank state such as --fp16-adam-stats scales); pass --skip-optimizer-state")
+            return entries[0]
+        return dataclasses.replace(entries[0], segments=self.spans(k, [e.segments for e in entries]))
+
+    def _warn_if_parts_differ(self, name: str, spans: Sequence[Sequence[Span]], dtype: DType) -> None:
+        """A replicated tensor should be equal in every part: part 0's is used, a difference is reported."""
+        if name in self.warned or self.part or len(spans) < 2:  # once per run: by output part 0
+            return
+        first = _read(self.structures, spans[0])
+        for p, other in enumerate(spans[1:], start=1):
+            data = _read(self.structures, other)
+            if data != first:
+                self.warned.add(name)
+                diff = _max_diff(first, data, dtype)
+                logger.warning("%s differs between parts (max diff %s, part %d vs part 0); using part 0", name, diff, p)
+                return
+
+
+def _pieces(shape: Size, rule: Rule, in_parts: int, out_parts: int, part: int) -> list[tuple[int, int, int]]:
+    """(input part, element offset in its slice, length) pieces of output part `part`'s slice, in its order.
+
+    Along `rule.dim` the global tensor holds `rule.blocks` equal blocks; input part p holds
+    the p-th of `in_parts` equal slices of each block, output part q the q-th of `out_parts`.
+    """
+    outer = math.prod(shape[: rule.dim])
+    inner = math.prod(shape[rule.dim + 1 :])
+    block = shape[rule.dim] // rule.blocks
+    in_len, out_len = block // in_parts, block // out_parts
+    pieces: list[tuple[int, int, int]] = []
+    for o in range(outer):
+        for b in range(rule.blocks):
+            row, end = b * block + part * out_len, b * block + (part + 1) * out_len
+            while row < end:
+                p = (row - b * block) // in_len
+                stop = min(end, b * block + (p + 1) * in_len)
+                local_row = b * in_len + row - b * block - p * in_len
+                offset = (o * rule.blocks * in_len + local_row) * inner
+                last = pieces[-1] if pieces else None
+                if last is not None and last[0] == p and last[1] + last[2] == offset:
+                    pieces[-1] = (p, last[1], last[2] + (stop - row) * inner)
+                else:
+                    pieces.append((p, offset, (stop - row) * inner))
+                row = stop
+    return pieces
+
+
+def _read(structures: Sequence[Any], spans: Sequence[Span]) -> bytes:
+    """The bytes of a (small, replicated) tensor's elements."""
+    out = []
+    for span in spans:
+        tensor = structures[span.input]
+        for key in span.path:
+            tensor = tensor[key]
+        source, offset = tensor.storage.locate(tensor.storage_offset + span.start)
+        out.append(bytes(read_at(source, offset, span.length * tensor.dtype.itemsize)))
+    return b"".join(out)
+
+
+def _max_diff(a: bytes, b: bytes, dtype: DType) -> str:
+    """max |a - b| of two tensors' bytes, as text ("?" for dtypes that are not floats)."""
+    import numpy as np
+
+    def values(data: bytes) -> Any:
+        if dtype.name == "bfloat16":  # the upper half of a float32
+            return (np.frombuffer(data, np.uint16).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+        return np.frombuffer(data, np.dtype(dtype.name)).astype(np.float64)
+
+    if not dtype.is_floating_point:
+        return "?"
+    x, y = values(a), values(b)
+    return f"{float(np.max(np.abs(x - y))):.3g}" if x.size else "0"
