@@ -7,7 +7,9 @@ Two inputs are accepted:
   writes, conventionally `reshard-model_part-0.pt`), loaded with `strict=True`;
 - raw FSDP shards, named by a glob (`DIR/checkpoint_last-model_part-0-shard*.pt`) or
   by their stem (`DIR/checkpoint_last.pt`), consolidated by the reshard planner into
-  a temporary file: no process group is needed.
+  a temporary file: no process group is needed;
+- the P parts of a model-parallel checkpoint (`DIR/reshard-model_part-{j}.pt`, or a glob
+  matching several parts' files), merged into one plain model by the same planner.
 
 The model is rebuilt from the checkpoint's `cfg["model"]`, so no size flags are needed.
 
@@ -17,6 +19,7 @@ The model is rebuilt from the checkpoint's `cfg["model"]`, so no size flags are 
 from __future__ import annotations
 
 import argparse
+import glob
 import logging
 import os
 import re
@@ -35,7 +38,7 @@ from metaseq.hf.tokenization import ByteTokenizer, TextTokenizer
 from metaseq.hf.variants import is_upstream_cfg, model_config_from_cfg
 from metaseq.models.transformer_lm import TransformerLanguageModel, build_model
 from metaseq.reshard import ReshardError, ReshardOptions
-from metaseq.reshard.plan import plan_structures, read_inputs
+from metaseq.reshard.plan import plan_model_parallel, plan_structures, read_inputs
 from metaseq.reshard.schema import clean_key
 from metaseq.reshard.write import list_jobs, write_outputs
 from metaseq.tokenizer import BOS, EOS, PAD, UNK, VOCAB_SIZE, encode
@@ -114,20 +117,30 @@ def load_inference_checkpoint(path: str, *, trust: bool = False) -> dict[str, An
     Shards are consolidated by the reshard tool into a temporary file (bounded memory),
     which is then loaded like a consolidated file.
     """
-    files, sharded = resolve_checkpoint_files(path)
+    parts = _model_parts_pattern(path)
+    files, sharded = ([], True) if parts else resolve_checkpoint_files(path)
     if not sharded:
         return read_servable(files[0], trust=trust)
     with tempfile.TemporaryDirectory(prefix="metaseq-consolidate-") as tmp:
         out = os.path.join(tmp, "reshard-model_part-0.pt")
-        options = ReshardOptions(output_shard_name=out, unflatten_weights=True, skip_optimizer_state=True,
-                                 trust_checkpoint=trust, num_workers=1, quiet=True)
+        options = ReshardOptions(input_glob_pattern=parts or "", output_shard_name=out, unflatten_weights=True,
+                                 skip_optimizer_state=True, trust_checkpoint=trust, num_workers=1, quiet=True,
+                                 num_output_parts=1 if parts else None)
         try:
-            plan = plan_structures(read_inputs(files, trust=trust), options, [out])
+            plan = plan_model_parallel(options) if parts else plan_structures(read_inputs(files, trust=trust),
+                                                                                options, [out])
             write_outputs(list_jobs([plan]))
-        except ReshardError as e:  # e.g. an incomplete or inconsistent shard set
-            raise InferenceLoadError(f"--path {path}: cannot consolidate {len(files)} shard files: {e}") from None
-        logger.info("consolidated %d shard files (%s ... %s)", len(files), files[0], files[-1])
+        except (ReshardError, UserError) as e:  # e.g. an incomplete or inconsistent shard set
+            raise InferenceLoadError(f"--path {path}: cannot consolidate its files: {e}") from None
+        logger.info("consolidated %d file(s) into one", len(plan.inputs))
         return read_servable(out, trust=trust)
+
+
+def _model_parts_pattern(path: str) -> str | None:
+    """A glob of several model parts' files (`{j}` for the part, or a glob matching several), else None."""
+    pattern = path.replace("{j}", "*")
+    parts = {m.group(1) for p in glob.glob(pattern) if (m := re.search(r"model_part-(\d+)", os.path.basename(p)))}
+    return pattern if "{j}" in path or len(parts) > 1 else None
 
 
 def read_servable(path: str, *, trust: bool = False) -> dict[str, Any]:

@@ -19,22 +19,9 @@ FLAT_KEYS = {"flat_param_0", "decoder.layers.0.flat_param_0", "decoder.layers.1.
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """{name: (save_dir, {update: loss})} for P = 2 (both layouts) and P = 1 (both layouts), same seed and batches.
-
-    "p2" runs 2 parts x 2 shards (W = 4) and also saves after update 2.
-    """
-    specs = {
-        "p2": dict(model_parallel_size=2, world_size=4, extra=["--save-interval-updates", "2"]),
-        "p1": dict(model_parallel_size=1, world_size=1),
-        "p2_fused": dict(model_parallel_size=2, world_size=2, fused_qkv=True),
-        "p1_fused": dict(model_parallel_size=1, world_size=1, fused_qkv=True),
-    }
-    out = {}
-    for name, spec in specs.items():
-        save_dir = tmp_path_factory.mktemp(name)
-        out[name] = (save_dir, losses(run_train_mp(save_dir, max_update=UPDATES, **spec)))
-    return out
+def runs(mp_runs):
+    """The session's model-parallel runs (conftest.py): shared with the resharding tests."""
+    return mp_runs
 
 
 def _relative(a: float, b: float) -> float:

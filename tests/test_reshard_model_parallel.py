@@ -1,0 +1,263 @@
+"""`python -m metaseq.scripts.reshard_model_parallel`: P parts x N shards -> Q parts x M shards, on real fairscale runs.
+
+The runs come from `conftest.mp_runs` (real FSDP over fairscale's tensor-parallel layers,
+CPU/gloo); what the outputs hold is read back by real FSDP on real ranks (`mp_harness`).
+"""
+from __future__ import annotations
+
+import io
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from metaseq.cli import interactive_cli
+from metaseq.file_io import load_checkpoint
+from metaseq.hub_utils import build_inference_model, load_inference_checkpoint
+from metaseq.models.partition import split_param
+from metaseq.scripts.reshard_fsdp import main as reshard_fsdp
+from metaseq.scripts.reshard_model_parallel import main
+from mp_harness import FIXED_TOKENS, MOMENTS, compute_logits, gather_full_state, run_train_mp
+from synthetic import SyntheticModel, make_model, make_shards, write_shards
+from training import losses
+
+REL_TOL = 1e-4  # summation order differs between one matrix product and P partial ones
+SHARDS = "checkpoint_{n}-model_part-*-shard*.pt"
+OUT = "checkpoint_last-model_part-{j}-shard{i}.pt"
+
+
+def _reshard(src: Path, out: str, *flags: str, n: str = "last") -> None:
+    assert main(["--input", str(src / SHARDS.format(n=n)), "--output", out, "--quiet", *flags]) == 0
+
+
+def _relative(a: float, b: float) -> float:
+    return abs(a - b) / abs(b)
+
+
+def _assert_same_state(got: dict, want: dict) -> None:
+    """Every parameter and Adam moment, merged over the parts, bit for bit."""
+    for kind in ("model", *MOMENTS):
+        assert got[kind].keys() == want[kind].keys(), kind
+        for name, tensor in want[kind].items():
+            assert torch.equal(got[kind][name], tensor), f"{kind} of {name}"
+
+
+# --- P = 2 -> Q = 1 ------------------------------------------------------------------------------
+
+
+def test_two_parts_to_one_file_give_the_same_logits_and_answers(mp_runs, tmp_path, capsys, monkeypatch):
+    save_dir, _ = mp_runs["p2"]
+    _reshard(save_dir, str(tmp_path / "one" / "reshard-model_part-{j}.pt"), "--num-output-parts", "1",
+             "--unflatten-weights", "True", "--skip-optimizer-state", "True")
+    ckpt = load_checkpoint(tmp_path / "one" / "reshard-model_part-0.pt")  # weights_only: nothing unsafe
+    assert ckpt["cfg"]["common"]["model_parallel_size"] == 1
+    assert ckpt["cfg"]["distributed_training"]["distributed_world_size"] == 1
+    model = build_inference_model(ckpt, source="one")  # the plain P = 1 model, strict load
+    with torch.no_grad():
+        plain = model(FIXED_TOKENS)
+    parallel = compute_logits(save_dir / "checkpoint_last.pt", FIXED_TOKENS, model_parallel_size=2,
+                              out_path=tmp_path / "logits.pt")
+    assert torch.allclose(plain, parallel, atol=1e-5, rtol=0), (plain - parallel).abs().max()
+    # interactive_cli: the file, and the two consolidated parts merged on the fly, answer alike
+    assert reshard_fsdp(["--input", str(save_dir / "checkpoint_last-model_part-{j}-shard*.pt"),
+                         "--output", str(tmp_path / "parts" / "reshard-model_part-{j}.pt"),
+                         "--unflatten-weights", "--skip-optimizer-state", "--quiet"]) == 0
+    answers = []
+    for path in (tmp_path / "one" / "reshard-model_part-0.pt", tmp_path / "parts" / "reshard-model_part-{j}.pt"):
+        monkeypatch.setattr(sys, "stdin", io.StringIO("what is the meaning of life?\nthe cat\n"))
+        assert interactive_cli.main(["--path", str(path), "--max-new-tokens", "8"]) == 0
+        answers.append(capsys.readouterr().out)
+    assert answers[0] == answers[1] and len(answers[0].splitlines()) == 2
+
+
+def test_two_parts_to_one_part_of_two_shards_resume_the_run(mp_runs, tmp_path):
+    save_dir, uninterrupted = mp_runs["p2"]
+    out = tmp_path / "q1m2"
+    _reshard(save_dir, str(out / OUT), "--num-output-parts", "1", "--num-output-shards", "2", n="2")
+    assert sorted(p.name for p in out.iterdir()) == [OUT.format(j=0, i=i) for i in (0, 1)]
+    want = gather_full_state(save_dir / "checkpoint_2.pt", model_parallel_size=2, out_path=tmp_path / "want.pt")
+    got = gather_full_state(out / "checkpoint_last.pt", model_parallel_size=1, out_path=tmp_path / "got.pt")
+    _assert_same_state(got, want)  # what real P = 1 FSDP loads: load_local_state_dict + optimizer state
+    resumed = losses(run_train_mp(out, model_parallel_size=1, world_size=2, max_update=4,
+                                  extra=["--restore-file", str(out / "checkpoint_last.pt")]))
+    assert sorted(resumed) == [3, 4]
+    for update, loss in resumed.items():
+        assert _relative(loss, uninterrupted[update]) < REL_TOL, (update, loss, uninterrupted[update])
+
+
+def test_one_part_to_two_parts_resumes_the_run(mp_runs, tmp_path):
+    save_dir, uninterrupted = mp_runs["p1"]
+    out = tmp_path / "q2"
+    _reshard(save_dir, str(out / OUT), "--num-output-parts", "2", n="2")
+    want = gather_full_state(save_dir / "checkpoint_2.pt", model_parallel_size=1, out_path=tmp_path / "want.pt")
+    got = gather_full_state(out / "checkpoint_last.pt", model_parallel_size=2, out_path=tmp_path / "got.pt")
+    _assert_same_state(got, want)
+    resumed = losses(run_train_mp(out, model_parallel_size=2, world_size=2, max_update=4,
+                                  extra=["--restore-file", str(out / "checkpoint_last.pt")]))
+    for update, loss in resumed.items():
+        assert _relative(loss, uninterrupted[update]) < REL_TOL, (update, loss, uninterrupted[update])
+
+
+def test_two_parts_to_four_parts_resumes_the_run(tmp_path):
+    """4 parts need a model with 4 heads; it is trained here at P = 2 (D = 1) and resumed at P = 4."""
+    sizes = ["--decoder-embed-dim", "32", "--decoder-attention-heads", "4"]
+    run = losses(run_train_mp(tmp_path / "p2", model_parallel_size=2, world_size=2, max_update=4,
+                              extra=[*sizes, "--save-interval-updates", "2"]))
+    out = tmp_path / "q4"
+    _reshard(tmp_path / "p2", str(out / OUT), "--num-output-parts", "4", n="2")
+    assert len(list(out.iterdir())) == 4
+    want = gather_full_state(tmp_path / "p2" / "checkpoint_2.pt", model_parallel_size=2, out_path=tmp_path / "w.pt")
+    got = gather_full_state(out / "checkpoint_last.pt", model_parallel_size=4, out_path=tmp_path / "g.pt")
+    _assert_same_state(got, want)
+    resumed = losses(run_train_mp(out, model_parallel_size=4, world_size=4, max_update=4,
+                                  extra=[*sizes, "--restore-file", str(out / "checkpoint_last.pt")]))
+    for update, loss in resumed.items():
+        assert _relative(loss, run[update]) < REL_TOL, (update, loss, run[update])
+
+
+@pytest.mark.parametrize("run", ["p2", "p2_fused"])
+def test_one_part_and_back_is_bit_identical(mp_runs, tmp_path, run):
+    save_dir, _ = mp_runs[run]
+    files = sorted(save_dir.glob(SHARDS.format(n="last")))
+    shards_per_part = len(files) // 2
+    _reshard(save_dir, str(tmp_path / "one" / OUT), "--num-output-parts", "1")
+    assert main(["--input", str(tmp_path / "one" / "*.pt"), "--output", str(tmp_path / "back" / OUT),
+                 "--num-output-parts", "2", "--num-output-shards", str(shards_per_part), "--quiet"]) == 0
+    for path in files:
+        want, got = load_checkpoint(path), load_checkpoint(tmp_path / "back" / path.name)
+        for key, tensor in want["model"].items():
+            assert torch.equal(got["model"][key], tensor), (path.name, key)
+        for k, state in want["last_optimizer_state"]["state"].items():
+            for name in MOMENTS:
+                assert torch.equal(got["last_optimizer_state"]["state"][k][name], state[name]), (path.name, k, name)
+        assert got["shard_metadata"] == want["shard_metadata"]
+
+
+# --- refusals and warnings, on synthetic parts -------------------------------------------------------
+
+FULL = (  # one model, cut by the partition rules into parts below
+    ("", (("decoder.embed_tokens.weight", (12, 4)), ("decoder.embed_positions.weight", (5, 4)),
+          ("decoder.layer_norm.weight", (4,))),
+     (("decoder.embed_tokens.weight", "decoder.output_projection.weight"),)),
+    ("decoder.layers.0", (("self_attn.qkv_proj.weight", (12, 4)), ("self_attn.out_proj.weight", (4, 4)),
+                          ("fc1.weight", (8, 4)), ("fc2.weight", (4, 8)), ("fc2.bias", (4,))), ()),
+)
+
+
+def _write_parts(folder: Path, parts: int, shards: int, *, heads: int = 2, full=FULL) -> SyntheticModel:
+    """The full model's parts, each as `shards` FSDP shards (fairscale's split), cfg as training writes it."""
+    model = make_model(instances=full)
+    for j in range(parts):
+        params = {name: split_param(name, t, parts)[j].contiguous() for name, t in model.params.items()}
+        local = tuple((path, tuple((n, tuple(params[f"{path}.{n}" if path else n].shape)) for n, _ in specs), ties)
+                      for path, specs, ties in full)
+        part = make_shards(SyntheticModel(params, model.buffers, local), shards)
+        for shard in part:
+            shard["cfg"]["common"] = {"model_parallel_size": parts}
+            shard["cfg"]["model"] = {"decoder_attention_heads": heads}
+        write_shards(part, folder, part=j)
+    return model
+
+
+def _fails(capsys, folder: Path, *flags: str, pattern: str = "*.pt") -> str:
+    assert main(["--input", str(folder / pattern), "--output", str(folder / "out" / OUT), "--quiet", *flags]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("\n") == 1 and err.startswith("ERROR: "), err
+    assert not (folder / "out").exists()
+    return err
+
+
+@pytest.mark.parametrize("q, words", [
+    ("3", "does not divide the 2 attention heads in cfg['model']['decoder_attention_heads']; --num-output-parts 1, 2"),
+])
+def test_parts_that_do_not_divide_the_heads_are_refused(tmp_path, capsys, q, words):
+    _write_parts(tmp_path, 1, 2)
+    assert words in _fails(capsys, tmp_path, "--num-output-parts", q)
+
+
+@pytest.mark.parametrize("name, shape, words", [
+    ("decoder.embed_tokens.weight", (10, 4), "does not divide the 10 vocabulary rows of decoder.embed_tokens.weight"),
+    ("decoder.layers.0.fc1.weight", (5, 4), "does not divide the 5 rows of decoder.layers.0.fc1.weight"),
+    ("decoder.layers.0.fc2.weight", (4, 5), "does not divide the 5 columns of decoder.layers.0.fc2.weight"),
+    ("decoder.layers.0.self_attn.qkv_proj.weight", (6, 4),
+     "does not divide the 2 rows of decoder.layers.0.self_attn.qkv_proj.weight in each of its 3 blocks"),
+])
+def test_parts_that_do_not_divide_a_tensor_are_refused(tmp_path, capsys, name, shape, words):
+    full = tuple((path, tuple((n, shape if (f"{path}.{n}" if path else n) == name else s) for n, s in specs), ties)
+                 for path, specs, ties in FULL)
+    _write_parts(tmp_path, 1, 1, full=full, heads=4)
+    err = _fails(capsys, tmp_path, "--num-output-parts", "4")
+    assert words in err and "would" in err
+
+
+def test_missing_shard_file_is_named(tmp_path, capsys):
+    _write_parts(tmp_path, 2, 2)
+    (tmp_path / OUT.format(j=1, i=0)).unlink()
+    assert f"{tmp_path / OUT.format(j=1, i=0)} is missing" in _fails(capsys, tmp_path, "--num-output-parts", "1")
+
+
+def test_missing_part_is_named(tmp_path, capsys):
+    _write_parts(tmp_path, 2, 2)
+    err = _fails(capsys, tmp_path, "--num-output-parts", "1", pattern="*model_part-0-*.pt")
+    assert "model_part-1 is missing" in err and "model_parallel_size" in err
+
+
+def test_parts_with_other_shard_counts_are_refused(tmp_path, capsys):
+    _write_parts(tmp_path, 2, 2)
+    part1 = make_shards(make_model(), 3)
+    write_shards(part1[2:], tmp_path / "extra")
+    (tmp_path / "extra" / OUT.format(j=0, i=0)).rename(tmp_path / OUT.format(j=0, i=2))
+    assert "model_part-1 has 2 shard files, other parts 3" in _fails(capsys, tmp_path, "--num-output-parts", "1")
+
+
+def test_shapes_that_contradict_the_rules_are_refused(tmp_path, capsys):
+    _write_parts(tmp_path, 2, 1)
+    shards = make_shards(make_model(instances=FULL), 1)  # part 1 rewritten with whole, uncut tensors
+    write_shards(shards, tmp_path, part=1)
+    assert "its shape differs between model parts" in _fails(capsys, tmp_path, "--num-output-parts", "1")
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--num-output-parts", "2", "--num-output-shards", "2", "--unflatten-weights"], "--unflatten-weights needs"),
+    (["--num-output-parts", "2", "--output", "OUT/x-shard{i}.pt"], "--num-output-parts=2 but --output-shard-name"),
+    (["--num-output-parts", "1", "--num-output-shards", "2", "--output", "OUT/part{j}.pt"],
+     "--num-output-shards=2 but --output-shard-name"),
+])
+def test_option_and_name_errors(tmp_path, capsys, flags, words):
+    _write_parts(tmp_path, 2, 1)
+    flags = [f.replace("OUT", str(tmp_path / "out")) for f in flags]
+    assert main(["--input", str(tmp_path / "*.pt"), "--output", str(tmp_path / "out" / OUT), *flags]) == 2
+    assert words in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_replicated_tensor_that_differs_between_parts_warns_and_uses_part_0(tmp_path, capsys):
+    _write_parts(tmp_path, 2, 1)
+    path = tmp_path / OUT.format(j=1, i=0)
+    ckpt = torch.load(path, weights_only=True)
+    flat = ckpt["model"]["flat_param_0"]
+    flat[-1] += 0.5  # the last element of the root's flat parameter: decoder.layer_norm.weight[3]
+    torch.save(ckpt, path)
+    assert main(["--input", str(tmp_path / "*.pt"), "--output", str(tmp_path / "out" / "p{j}.pt"),
+                 "--num-output-parts", "1", "--unflatten-weights", "--skip-optimizer-state"]) == 0
+    err = capsys.readouterr().err
+    assert "WARNING: decoder.layer_norm.weight differs between parts (max diff 0.5, part 1 vs part 0); using part 0" in err
+    got = load_checkpoint(tmp_path / "out" / "p0.pt")["model"]["decoder.layer_norm.weight"]
+    part0 = load_checkpoint(tmp_path / OUT.format(j=0, i=0))["model"]["flat_param_0"]
+    assert torch.equal(got, part0[-4:])
+
+
+def test_inference_merges_consolidated_parts(mp_runs, tmp_path):
+    """interactive_cli's loader takes the P consolidated parts (a glob or '{j}') and merges them."""
+    save_dir, _ = mp_runs["p2_fused"]
+    assert reshard_fsdp(["--input", str(save_dir / "checkpoint_last-model_part-{j}-shard*.pt"),
+                         "--output", str(tmp_path / "reshard-model_part-{j}.pt"), "--unflatten-weights",
+                         "--skip-optimizer-state", "--quiet"]) == 0
+    merged = load_inference_checkpoint(str(tmp_path / "reshard-model_part-*.pt"))
+    _reshard(save_dir, str(tmp_path / "one" / "reshard-model_part-{j}.pt"), "--num-output-parts", "1",
+             "--unflatten-weights", "True", "--skip-optimizer-state", "True")
+    one = load_checkpoint(tmp_path / "one" / "reshard-model_part-0.pt")
+    assert merged["model"].keys() == one["model"].keys()
+    for name, tensor in one["model"].items():
+        assert torch.equal(merged["model"][name], tensor), name
