@@ -68,7 +68,6 @@ back, equal to the original; `reload_in_fsdp` loads the files into fresh FSDP mo
 """
 from __future__ import annotations
 
-import argparse
 import copy
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,7 +78,16 @@ import torch
 import torch.distributed as dist
 from fairscale.nn.model_parallel import get_model_parallel_group
 
-from metaseq.benchmark.upstream_stubs import UPSTREAM_MODULE, LockingArray, upstream_classes
+from metaseq.benchmark.upstream_stubs import (
+    ADAM_BETAS,
+    ADAM_EPS,
+    LOADER_WORKERS,
+    UPSTREAM_MODULE,
+    WEIGHT_DECAY,
+    LockingArray,
+    upstream_cfg,
+    upstream_classes,
+)
 from metaseq.cli.train import train_step
 from metaseq.distributed.fsdp import lazy_init_all
 from metaseq.distributed.model_parallel import RankLayout, build_fsdp_model, init_model_parallel, shutdown_model_parallel
@@ -116,11 +124,11 @@ __all__ = [
 PREFIX = "checkpoint_last"
 FP16_MAX = 65504.0  # FusedAdamV1.FLOAT16_MAX
 LOSS_SCALE = 16.0
-LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.95), 1e-8, 0.1
+LR = 1e-3
 SEQ_LEN = 16
 EMA_SEED_OFFSET = 1000
 EMA_KEYS = ("ema", "ema_fp32_params")
-NUM_DOCUMENTS, LOADER_WORKERS, GPUS_PER_NODE = 50, 2, 8
+NUM_DOCUMENTS = 50
 TIED = "decoder.output_projection.weight"
 RESTORED, REPORT = "restored.pt", "fairscale_report.pt"
 
@@ -208,7 +216,8 @@ def load_real(path: str | Path) -> dict[str, Any]:
 def _write_on_rank(layout: RankLayout, spec: RealRunSpec, folder: str) -> None:
     device = torch.device("cpu")
     model = build_fsdp_model(model_config(spec.model_parallel_size), seed=spec.seed, device=device, layout=layout)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=ADAM_BETAS, eps=ADAM_EPS,
+                                  weight_decay=WEIGHT_DECAY)
     losses = [train_step(model, optimizer, _batch(spec.seed, u, layout.dp_size), layout, device)
               for u in range(spec.updates)]
     ckpt = _rank_checkpoint(model, optimizer, spec, layout, losses)
@@ -260,7 +269,10 @@ def _rank_checkpoint(model: Any, optimizer: torch.optim.Optimizer, spec: RealRun
                      losses: list[float]) -> dict[str, Any]:
     """Upstream's `state_dict()`, through `move_to_cpu`, then `extra_state.update(...)` as `save_checkpoint` does."""
     state = {
-        "cfg": upstream_cfg(spec, layout),
+        "cfg": upstream_cfg(model_config(spec.model_parallel_size), rank=layout.rank,
+                            world_size=spec.world_size * spec.model_parallel_size,
+                            model_parallel_size=spec.model_parallel_size, seed=spec.seed, lr=LR, seq_len=SEQ_LEN,
+                            streaming=spec.streaming, ema=spec.ema, fp16_adam_stats=spec.fp16_adam_stats),
         "model": _fp16(model.local_state_dict()),
         "criterion": None,
         "optimizer_history": _optimizer_history(spec),
@@ -372,56 +384,6 @@ def expected_tokenization_cache(seed: int) -> LockingArray:
     lengths = np.random.default_rng(seed).integers(0, 2048, NUM_DOCUMENTS)
     lengths[::7] = 0
     return LockingArray(lengths, num_workers=LOADER_WORKERS)
-
-
-def upstream_cfg(spec: RealRunSpec, layout: RankLayout) -> dict[str, Any]:
-    """`OmegaConf.to_container(cfg)` of an upstream OPT run, as global rank `layout.rank` saves it."""
-    P, world = spec.model_parallel_size, spec.world_size * spec.model_parallel_size
-    args = _upstream_args(model_config(P), P)
-    criterion = "vocab_parallel_cross_entropy" if P > 1 else "cross_entropy"
-    return {
-        "_name": None,
-        "common": {"_name": None, "log_format": "json", "log_interval": 10, "seed": spec.seed, "fp16": True,
-                   "memory_efficient_fp16": True, "bf16": False, "fp16_init_scale": 4, "fp16_scale_window": 256,
-                   "min_loss_scale": 1e-4, "model_parallel_size": P, "user_dir": None},
-        "distributed_training": {"_name": None, "distributed_world_size": world, "distributed_rank": layout.rank,
-                                 "distributed_backend": "nccl", "device_id": layout.rank % GPUS_PER_NODE,
-                                 "ddp_backend": "fully_sharded", "use_sharded_state": True,
-                                 "no_reshard_after_forward": False, "fp32_reduce_scatter": False, "cpu_offload": False},
-        "dataset": {"_name": None, "num_workers": LOADER_WORKERS, "batch_size": 2, "train_subset": "train",
-                    "valid_subset": "valid", "validate_interval_updates": 1000},
-        "optimization": {"_name": None, "max_update": 1000, "clip_norm": 1.0, "update_freq": [1], "lr": [LR]},
-        "checkpoint": {"_name": None, "save_dir": "/checkpoint/opt", "restore_file": "checkpoint_last.pt",
-                       "save_interval_updates": spec.updates, "checkpoint_suffix": f"-model_part-{layout.mp_rank}",
-                       "checkpoint_shard_count": 1, "write_checkpoints_asynchronously": True},
-        "model": argparse.Namespace(**{**vars(args), "_name": args.arch}),
-        "task": {"_name": "streaming_language_modeling" if spec.streaming else "language_modeling",
-                 "data": "/data/opt", "tokens_per_sample": SEQ_LEN, "sample_break_mode": "none", "seed": spec.seed},
-        "criterion": argparse.Namespace(**{**vars(args), "_name": criterion}),
-        "optimizer": {"_name": "adam", "adam_betas": str(BETAS), "adam_eps": EPS, "weight_decay": WEIGHT_DECAY,
-                      "use_old_adam": False, "fp16_adam_stats": spec.fp16_adam_stats, "lr": [LR]},
-        "lr_scheduler": {"_name": "polynomial_decay", "warmup_updates": 10, "end_learning_rate": 0.0,
-                         "zero_lr_warmup_steps": 0, "power": 1.0, "total_num_update": "1000", "lr": [LR]},
-        "ema": {"_name": None, "store_ema": spec.ema, "ema_decay": 0.9999, "ema_start_update": 0,
-                "ema_seed_model": None, "ema_update_freq": 1, "ema_fp32": spec.ema},
-        "bpe": None,
-        "tokenizer": None,
-    }
-
-
-def _upstream_args(config: ModelConfig, model_parallel_size: int) -> argparse.Namespace:
-    """The args namespace upstream stores as `cfg["model"]` (and, renamed, `cfg["criterion"]`); no `vocab_size`."""
-    dim = config.decoder_embed_dim
-    return argparse.Namespace(
-        arch="transformer_lm_megatron", activation_fn="relu", dropout=0.1, attention_dropout=0.1,
-        decoder_embed_dim=dim, decoder_input_dim=dim, decoder_output_dim=dim,
-        decoder_ffn_embed_dim=config.decoder_ffn_embed_dim, decoder_layers=config.decoder_layers,
-        decoder_attention_heads=config.decoder_attention_heads, max_target_positions=config.max_target_positions,
-        tokens_per_sample=SEQ_LEN, decoder_learned_pos=True, decoder_normalize_before=True,
-        no_scale_embedding=True, share_decoder_input_output_embed=True, model_parallel_size=model_parallel_size,
-        checkpoint_activations=True, full_megatron_init=True, sequence_parallel=False, memory_efficient_fp16=True,
-        ddp_backend="fully_sharded", use_sharded_state=True, criterion="vocab_parallel_cross_entropy",
-    )
 
 
 def _unflattened_params(model: Any) -> dict[str, torch.Tensor]:

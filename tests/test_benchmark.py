@@ -184,3 +184,40 @@ def test_reshard_peak_anonymous_memory_is_within_bound(checkpoint_200mb, tmp_pat
         f"{scenario.name} on {checkpoint_200mb.total_bytes / 1e6:.0f} MB: peak anonymous RSS "
         f"{m.peak_anon / 2**20:.0f} MiB exceeds the bound {bound / 2**20:.0f} MiB"
     )
+
+
+def test_real_structured_synthetic_checkpoint_holds_upstream_objects(tmp_path):
+    """--real-structured: Namespace cfg, int steps, loss_scale, 2 restarts, and rank 0's LockingArray
+    pickled under upstream's module; the tensors are the default layout's, the size estimate holds."""
+    import argparse
+
+    from metaseq.benchmark.upstream_stubs import LockingArray, upstream_classes
+    from metaseq.errors import CheckpointLoadError
+
+    config = synth.model_config_for_width(8, layers=2)
+    real = synth.write_synthetic_checkpoint(tmp_path / "real", config, 3, real_structured=True)
+    default = synth.write_synthetic_checkpoint(tmp_path / "default", config, 3)
+    with pytest.raises(CheckpointLoadError, match="document_to_sequence"):
+        load_checkpoint(real.paths[0])  # an upstream class: refused by the safe loader
+    with upstream_classes():
+        shards = [torch.load(p, weights_only=False) for p in real.paths]
+    for rank, (shard, plain) in enumerate(zip(shards, (load_checkpoint(p) for p in default.paths))):
+        assert tuple(shard) == synth.UPSTREAM_KEYS and shard["criterion"] is None and shard["task_state"] == {}
+        cfg = shard["cfg"]
+        assert isinstance(cfg["model"], argparse.Namespace) and isinstance(cfg["criterion"], argparse.Namespace)
+        assert not hasattr(cfg["model"], "vocab_size") and cfg["model"].decoder_embed_dim == 8
+        assert cfg["distributed_training"]["distributed_rank"] == rank and "_name" in cfg["checkpoint"]
+        assert [h["num_updates"] for h in shard["optimizer_history"]] == [synth.NUM_UPDATES // 2, synth.NUM_UPDATES]
+        osd = shard["last_optimizer_state"]
+        assert type(osd["loss_scale"]) is float and all(type(s["step"]) is int for s in osd["state"].values())
+        cache = shard["extra_state"]["train_iterator"]["tokenization_cache"]
+        if rank == 0:
+            assert type(cache) is LockingArray and cache.data.size == synth.TOKENIZATION_CACHE_DOCUMENTS
+        else:
+            assert cache is None
+        for key, tensor in plain["model"].items():
+            assert torch.equal(shard["model"][key], tensor), key
+        assert torch.equal(osd["state"][1]["exp_avg_sq"], plain["last_optimizer_state"]["state"][1]["exp_avg_sq"])
+    estimate = synth.estimate_checkpoint_bytes(config, 3, real_structured=True)
+    assert abs(real.total_bytes - estimate) <= 0.01 * real.total_bytes, (real.total_bytes, estimate)
+    assert real.total_bytes > default.total_bytes + 4 * synth.TOKENIZATION_CACHE_DOCUMENTS

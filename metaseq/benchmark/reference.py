@@ -6,9 +6,14 @@
   reference point for the memory plot: load ALL shards fully into RAM (no mmap),
   then concatenate the unpadded pieces into one flat checkpoint (N -> 1, with
   optimizer state). Peak memory is about twice the checkpoint size.
+
+With `real_structured` inputs (upstream metaseq's structure, whose rank 0 pickles an upstream
+class), both load as upstream's loader does: a trusting `torch.load` with the class defined,
+here through `upstream_stubs.upstream_classes()`.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 from pathlib import Path
@@ -16,6 +21,7 @@ from typing import Any, Sequence
 
 import torch
 
+from metaseq.benchmark.upstream_stubs import upstream_classes
 from metaseq.file_io import atomic_torch_save, load_checkpoint
 
 __all__ = ["consolidate_flat_shards", "load_and_save", "load_everything_reshard"]
@@ -23,18 +29,26 @@ __all__ = ["consolidate_flat_shards", "load_and_save", "load_everything_reshard"
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
 
 
-def load_and_save(paths: Sequence[str | os.PathLike], out_dir: str | os.PathLike) -> None:
+def load_and_save(paths: Sequence[str | os.PathLike], out_dir: str | os.PathLike, *,
+                  real_structured: bool = False) -> None:
     """Copy each shard through `torch.load` + `torch.save`, one file in memory at a time."""
-    for path in paths:
-        ckpt = load_checkpoint(path)
-        atomic_torch_save(ckpt, Path(out_dir) / Path(path).name)
-        del ckpt
+    with _upstream(real_structured):
+        for path in paths:
+            ckpt = load_checkpoint(path, trust=real_structured)
+            atomic_torch_save(ckpt, Path(out_dir) / Path(path).name)
+            del ckpt
 
 
-def load_everything_reshard(paths: Sequence[str | os.PathLike], output: str | os.PathLike) -> None:
+def load_everything_reshard(paths: Sequence[str | os.PathLike], output: str | os.PathLike, *,
+                            real_structured: bool = False) -> None:
     """N flat shards -> one flat shard, holding every input in RAM at once (the old way)."""
-    shards = [load_checkpoint(p) for p in paths]
-    atomic_torch_save(consolidate_flat_shards(shards), output)
+    with _upstream(real_structured):
+        shards = [load_checkpoint(p, trust=real_structured) for p in paths]
+        atomic_torch_save(consolidate_flat_shards(shards), output)
+
+
+def _upstream(real_structured: bool) -> contextlib.AbstractContextManager:
+    return upstream_classes() if real_structured else contextlib.nullcontext()
 
 
 def consolidate_flat_shards(shards: list[dict[str, Any]]) -> dict[str, Any]:

@@ -116,6 +116,7 @@ class BenchConfig:
     keep_inputs: bool = False  # leave the synthetic checkpoints in workdir
     per_file_limit_s: float = PER_FILE_LIMIT_S
     timeout_s: float | None = None  # per contender run
+    real_structured: bool = False  # inputs structured like upstream metaseq's OPT shards (synth's docstring)
 
 
 @dataclass(frozen=True)
@@ -216,13 +217,18 @@ def measure_baselines(ckpt: synth.SyntheticCheckpoint, config: BenchConfig) -> B
     copy, _ = timed_run(["sh", "-c", copy_script, "sh", str(out), *paths], out, config)
     load_save, _ = timed_run(
         [sys.executable, "-m", "metaseq.scripts.benchmark_baseline", "load-save",
-         "--input-glob-pattern", ckpt.glob_pattern, "--output-dir", str(out)],
+         "--input-glob-pattern", ckpt.glob_pattern, "--output-dir", str(out), *_baseline_flags(config)],
         out, config,
     )
     for name, m in (("cp+sync", copy), ("load+save", load_save)):
         if m.returncode != 0:
             raise RuntimeError(f"baseline {name} failed (exit {m.returncode}) on {ckpt.glob_pattern}: {m.stderr_tail}")
     return Baselines(ckpt.world_size, ckpt.total_bytes, load_save, copy)
+
+
+def _baseline_flags(config: BenchConfig) -> list[str]:
+    """Real-structured inputs hold an upstream class: the baselines load them as upstream's loader does."""
+    return ["--real-structured"] if config.real_structured else []
 
 
 def run_scenario(
@@ -272,7 +278,7 @@ def judge_targets(
 def plan_inputs(config: BenchConfig) -> dict[int, ModelConfig]:
     """Model config per input shard count, checked before anything is written."""
     size = int(config.size_gb * GB)
-    return {n: synth.plan_model_config(size, n, layers=config.layers)
+    return {n: synth.plan_model_config(size, n, layers=config.layers, real_structured=config.real_structured)
             for n in dict.fromkeys(s.inputs for s in config.scenarios)}
 
 
@@ -283,7 +289,7 @@ def run_benchmark(config: BenchConfig) -> tuple[list[Baselines], list[ScenarioRe
         in_dir = config.workdir / f"in-{n}"
         logger.info("writing %d synthetic shard(s), embed dim %d, %d layers, to %s",
                     n, model_config.decoder_embed_dim, model_config.decoder_layers, in_dir)
-        ckpt = synth.write_synthetic_checkpoint(in_dir, model_config, n)
+        ckpt = synth.write_synthetic_checkpoint(in_dir, model_config, n, real_structured=config.real_structured)
         base = measure_baselines(ckpt, config)
         baselines.append(base)
         for scenario in (s for s in config.scenarios if s.inputs == n):
@@ -345,13 +351,16 @@ def run_size_sweep(sizes_gb: list[float], config: BenchConfig) -> list[SweepPoin
     """Flat 8 -> 1 with optimizer state at each size, by this tool and by load-everything."""
     points = []
     for size in sizes_gb:
-        model_config = synth.plan_model_config(int(size * GB), SWEEP_SCENARIO.inputs, layers=config.layers)
+        model_config = synth.plan_model_config(int(size * GB), SWEEP_SCENARIO.inputs, layers=config.layers,
+                                               real_structured=config.real_structured)
         in_dir, out = config.workdir / f"sweep-in-{size:g}", config.workdir / "sweep-out"
-        ckpt = synth.write_synthetic_checkpoint(in_dir, model_config, SWEEP_SCENARIO.inputs)
+        ckpt = synth.write_synthetic_checkpoint(in_dir, model_config, SWEEP_SCENARIO.inputs,
+                                                real_structured=config.real_structured)
         tool, _ = timed_run(reshard_command(SWEEP_SCENARIO, ckpt.glob_pattern, out), out, config)
         reference, _ = timed_run(
             [sys.executable, "-m", "metaseq.scripts.benchmark_baseline", "load-everything",
-             "--input-glob-pattern", ckpt.glob_pattern, "--output", str(out / "out-shard0.pt")],
+             "--input-glob-pattern", ckpt.glob_pattern, "--output", str(out / "out-shard0.pt"),
+             *_baseline_flags(config)],
             out, config,
         )
         points.append(SweepPoint(size, ckpt.total_bytes, memory_bound(model_config, SWEEP_SCENARIO), tool, reference))

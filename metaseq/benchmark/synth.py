@@ -9,6 +9,16 @@ shapes come from the real model built on the meta device, so they cannot drift.
 Widths are chosen so that the layers' flat parameters do not divide evenly and
 fairscale pads them.
 
+With `real_structured`, the files take the structure of upstream metaseq's real OPT shards
+where it matters for speed (see /work/shared/FORMAT.md, "What real metaseq shards carry"):
+`cfg` from `upstream_stubs.upstream_cfg` (`cfg["model"]` and `cfg["criterion"]` are
+`argparse.Namespace`), int Adam steps and a float `loss_scale`, two `optimizer_history`
+entries, `criterion` None, `task_state` {}, and a streaming `train_iterator` whose
+`tokenization_cache` on rank 0 is a `metaseq.data.document_to_sequence.LockingArray` of
+`TOKENIZATION_CACHE_DOCUMENTS` int32 counts: a 4 MB object in the pickle under a global
+this package does not define (written through `upstream_stubs`' stand-in). Tensors stay
+float32, so sizes and memory bounds are computed the same way.
+
 Nothing here materializes the model. Each flat parameter is drawn, split with
 fairscale's own `_get_shard`, and its per-rank pieces are appended to one
 scratch file per rank; each rank's checkpoint is then `torch.save`d from
@@ -18,6 +28,7 @@ of the largest flat parameter whatever the checkpoint size.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import glob
 import io
 import mmap
@@ -28,9 +39,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator
 
+import numpy as np
 import torch
 from fairscale.nn.data_parallel import FullyShardedDataParallel as FSDP
 
+from metaseq.benchmark.upstream_stubs import LockingArray, upstream_cfg, upstream_classes
 from metaseq.file_io import atomic_torch_save, natural_sort_key, shard_file_name
 from metaseq.models.transformer_lm import ModelConfig, TransformerLanguageModel
 
@@ -51,6 +64,10 @@ STATE_KINDS = ("param", "exp_avg", "exp_avg_sq")  # scratch order per flat param
 ZIP_ALIGNMENT = 64  # torch.save pads each storage record to this boundary
 MIN_EMBED_DIM = 8
 NUM_UPDATES = 100
+TOKENIZATION_CACHE_DOCUMENTS = 1_000_000  # real_structured: rank 0's LockingArray, 4 MB of int32
+LOSS_SCALE = 16.0
+UPSTREAM_KEYS = ("cfg", "model", "criterion", "optimizer_history", "task_state", "extra_state",
+                 "last_optimizer_state", "shard_metadata")  # upstream Trainer.state_dict()'s order
 
 
 @dataclass(frozen=True)
@@ -143,10 +160,11 @@ def _width(i: int) -> int:
     return MIN_EMBED_DIM + 6 * (i // 2) + 2 * (i % 2)
 
 
-def plan_model_config(size_bytes: int, world_size: int, *, layers: int = 12) -> ModelConfig:
+def plan_model_config(size_bytes: int, world_size: int, *, layers: int = 12, real_structured: bool = False) -> ModelConfig:
     """The model whose `world_size` shard files (model + Adam state) total closest to `size_bytes`."""
     def estimate(i: int) -> int:
-        return estimate_checkpoint_bytes(model_config_for_width(_width(i), layers), world_size)
+        config = model_config_for_width(_width(i), layers)
+        return estimate_checkpoint_bytes(config, world_size, real_structured=real_structured)
 
     smallest = estimate(0)
     if size_bytes < smallest:
@@ -164,16 +182,21 @@ def plan_model_config(size_bytes: int, world_size: int, *, layers: int = 12) -> 
     return model_config_for_width(_width(best), layers)
 
 
-def estimate_checkpoint_bytes(config: ModelConfig, world_size: int) -> int:
-    """Bytes of all `world_size` shard files: tensor data plus one serialized skeleton per file."""
+def estimate_checkpoint_bytes(config: ModelConfig, world_size: int, *, real_structured: bool = False) -> int:
+    """Bytes of all `world_size` shard files: tensor data plus one serialized skeleton per file.
+
+    With `real_structured`, steps are ints (no tensors) and only rank 0's skeleton holds the
+    tokenization cache, so the other ranks' skeleton is measured on its own.
+    """
     layouts, buffers = flat_layouts(config), _buffers(config)
-    buf = io.BytesIO()
-    torch.save(_skeleton_checkpoint(config, layouts, world_size), buf)
-    num_tensors = len(layouts) * (len(STATE_KINDS) + 1) + len(buffers)  # + one Adam step each
-    overhead = buf.tell() + ZIP_ALIGNMENT * num_tensors
+    skeleton = _skeleton_bytes(config, layouts, world_size, 0, real_structured)
+    others = _skeleton_bytes(config, layouts, world_size, 1, real_structured) if real_structured else skeleton
+    steps = 0 if real_structured else len(layouts)  # one 0-dim Adam step tensor each
+    num_tensors = len(layouts) * len(STATE_KINDS) + steps + len(buffers)
     floats = sum(shard_numel(layout.numel, world_size) for layout in layouts) * len(STATE_KINDS)
-    floats += len(layouts) + sum(b.numel() for b in buffers.values())  # steps, buffers
-    return world_size * (floats * FLOAT_BYTES + overhead)
+    floats += steps + sum(b.numel() for b in buffers.values())
+    per_file = floats * FLOAT_BYTES + ZIP_ALIGNMENT * num_tensors
+    return world_size * per_file + skeleton + (world_size - 1) * others
 
 
 def shard_numel(numel: int, world_size: int) -> int:
@@ -182,9 +205,16 @@ def shard_numel(numel: int, world_size: int) -> int:
     return shard.numel()
 
 
-def _skeleton_checkpoint(config: ModelConfig, layouts: list[FlatLayout], world_size: int) -> dict[str, Any]:
+def _skeleton_bytes(config: ModelConfig, layouts: list[FlatLayout], world_size: int, rank: int,
+                    real_structured: bool) -> int:
+    """Serialized size of rank `rank`'s checkpoint with empty tensors."""
     empty = [{kind: torch.empty(0) for kind in STATE_KINDS} for _ in layouts]
-    return build_rank_checkpoint(config, layouts, empty, [0] * len(layouts), rank=0, world_size=world_size)
+    ckpt = build_rank_checkpoint(config, layouts, empty, [0] * len(layouts), rank=rank, world_size=world_size,
+                                 real_structured=real_structured)
+    buf = io.BytesIO()
+    with upstream_classes():
+        torch.save(ckpt, buf)
+    return buf.tell()
 
 
 def build_rank_checkpoint(
@@ -195,11 +225,13 @@ def build_rank_checkpoint(
     *,
     rank: int,
     world_size: int,
+    real_structured: bool = False,
 ) -> dict[str, Any]:
     """One rank's checkpoint dict in the FORMAT.md layout (pure: no I/O).
 
     `flats[k]` holds this rank's 1-D pieces of flat parameter k under
     `STATE_KINDS`, all padded with `paddings[k]` zeros as fairscale pads them.
+    `real_structured`: upstream metaseq's structure (see the module docstring).
     """
     buffers = _buffers(config)
     model = {layouts[0].key: flats[0]["param"], **buffers}  # key order as FSDP writes it
@@ -226,7 +258,7 @@ def build_rank_checkpoint(
     group = {"lr": lr, "betas": (0.9, 0.98), "eps": 1e-8, "weight_decay": 0.0, "amsgrad": False,
              "maximize": False, "foreach": None, "capturable": False, "differentiable": False,
              "fused": None, "params": list(range(len(flats)))}
-    return {
+    ckpt = {
         "model": model,
         "shard_metadata": {"param_metadata": param_metadata, "buffer_names": list(buffers)},
         "last_optimizer_state": {"state": state, "param_groups": [group]},
@@ -236,6 +268,33 @@ def build_rank_checkpoint(
                         "train_iterator": {"samples_seen": 8 * NUM_UPDATES}},
         "cfg": _cfg(config, rank, world_size),
     }
+    return _upstream_structure(ckpt, config, rank, world_size) if real_structured else ckpt
+
+
+def _upstream_structure(ckpt: dict[str, Any], config: ModelConfig, rank: int, world_size: int) -> dict[str, Any]:
+    """`ckpt` reshaped like an upstream OPT shard of global rank `rank` (P = 1): see the module docstring."""
+    osd = ckpt["last_optimizer_state"]
+    for entry in osd["state"].values():
+        entry["step"] = NUM_UPDATES  # upstream's Adam counts in a Python int
+    osd["loss_scale"] = LOSS_SCALE
+    last = {**ckpt["optimizer_history"][0], "optimizer_name": "MemoryEfficientFP16Optimizer"}
+    iterator = {"epoch": 1, "sequences_consumed": [4 * NUM_UPDATES] * 2, "n": NUM_UPDATES,
+                "tokenization_cache": _tokenization_cache() if rank == 0 else None}
+    ckpt.update(
+        cfg=upstream_cfg(config, rank=rank, world_size=world_size, lr=osd["param_groups"][0]["lr"]),
+        criterion=None,
+        task_state={},
+        optimizer_history=[{**last, "num_updates": NUM_UPDATES // 2}, last],  # restarted once
+    )
+    ckpt["extra_state"].update(train_iterator=iterator, ewm_loss=2.0)
+    return {key: ckpt[key] for key in UPSTREAM_KEYS}
+
+
+@functools.lru_cache(maxsize=1)
+def _tokenization_cache() -> LockingArray:
+    """Rank 0's data-loader state: an int32 token count per document (shared; never mutated)."""
+    lengths = np.random.default_rng(0).integers(0, 2048, TOKENIZATION_CACHE_DOCUMENTS, dtype=np.int32)
+    return LockingArray(lengths, num_workers=2)
 
 
 def _cfg(config: ModelConfig, rank: int, world_size: int) -> dict[str, Any]:
@@ -257,8 +316,12 @@ def write_synthetic_checkpoint(
     *,
     prefix: str = "checkpoint_last",
     seed: int = 0,
+    real_structured: bool = False,
 ) -> SyntheticCheckpoint:
     """Write `{prefix}-model_part-0-shard{r}.pt` for r < world_size into `out_dir`.
+
+    `real_structured`: upstream metaseq's structure (see the module docstring); reading such
+    files back needs `upstream_stubs.upstream_classes()` registered.
 
     Peak anonymous memory is about three copies of the largest flat parameter;
     disk traffic is twice the checkpoint size (scratch file, then the shard).
@@ -271,7 +334,8 @@ def write_synthetic_checkpoint(
     try:
         lengths, paddings = _write_scratch(layouts, scratch, seed)
         for r in range(world_size):
-            _save_rank(scratch[r], paths[r], config, layouts, lengths, [p[r] for p in paddings], r, world_size)
+            _save_rank(scratch[r], paths[r], config, layouts, lengths, [p[r] for p in paddings], r, world_size,
+                       real_structured)
             scratch[r].unlink()
     finally:
         for p in scratch:
@@ -322,6 +386,7 @@ def _save_rank(
     paddings: list[int],
     rank: int,
     world_size: int,
+    real_structured: bool = False,
 ) -> None:
     """`torch.save` rank `rank`'s checkpoint from tensors mapped onto its scratch file."""
     with open(scratch, "rb") as f:
@@ -335,6 +400,8 @@ def _save_rank(
             offset += length * FLOAT_BYTES
         flats.append(flat)
     assert offset == len(mapped), f"scratch {scratch}: mapped {offset} of {len(mapped)} bytes"
-    ckpt = build_rank_checkpoint(config, layouts, flats, paddings, rank=rank, world_size=world_size)
-    atomic_torch_save(ckpt, path)
+    ckpt = build_rank_checkpoint(config, layouts, flats, paddings, rank=rank, world_size=world_size,
+                                 real_structured=real_structured)
+    with upstream_classes():  # the stand-in for upstream's LockingArray (real_structured)
+        atomic_torch_save(ckpt, path)
     # The tensors keep `mapped` alive; dropping them here unmaps the scratch file.

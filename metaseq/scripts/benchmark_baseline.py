@@ -27,6 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--input-glob-pattern", required=True)
     parser.add_argument("--output-dir", help="load-save: folder for the copies")
     parser.add_argument("--output", help="load-everything: the consolidated file")
+    parser.add_argument("--real-structured", action="store_true",
+                        help="the inputs are benchmark_reshard --real-structured files: load them trusting the "
+                             "pickle, with upstream's LockingArray stood in")
     return parser
 
 
@@ -47,9 +50,9 @@ def main(argv: list[str] | None = None) -> int:
         logger.error("--input-glob-pattern %s matches no files", args.input_glob_pattern)
         return 1
     if args.mode == "load-save":
-        load_and_save(paths, args.output_dir)
+        load_and_save(paths, args.output_dir, real_structured=args.real_structured)
     else:
-        load_everything_reshard(paths, args.output)
+        load_everything_reshard(paths, args.output, real_structured=args.real_structured)
     return 0
 
 

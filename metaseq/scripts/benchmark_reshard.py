@@ -3,6 +3,7 @@
     python -m metaseq.scripts.benchmark_reshard --size-gb 2 \\
         --scenarios 8-1,8-16,1-8,16-3,8-1u --out results.json
     python -m metaseq.scripts.benchmark_reshard --size-gb 0.05 --scenarios 256-1,1-256
+    python -m metaseq.scripts.benchmark_reshard --size-gb 2 --real-structured   # upstream OPT shards' structure
     python -m metaseq.scripts.benchmark_reshard --plot docs/performance.png   # needs the bench extra
 
 Prints a Markdown table (seconds, GB/s, ratio to each baseline, peak RSS and
@@ -54,6 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--per-file-limit-s", type=float, default=runner.PER_FILE_LIMIT_S,
                         help="time target of scenarios with more than 64 shards on a side (default 10)")
     parser.add_argument("--timeout-s", type=float, default=None, help="kill any single run after this long")
+    parser.add_argument("--real-structured", action="store_true",
+                        help="structure the inputs like upstream metaseq's OPT shards: Namespace cfg, int steps, "
+                             "loss_scale, 2 optimizer_history entries, and rank 0's tokenization cache pickled as "
+                             "metaseq.data.document_to_sequence.LockingArray (a class this package lacks)")
     parser.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
     parser.add_argument("--plot", metavar="PNG",
                         help="instead of the scenarios: time and memory of 8-1 vs load-everything over --plot-sizes")
@@ -136,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     config = runner.BenchConfig(
         args.size_gb, args.scenario_list, workdir, layers=args.layers, drop_caches=args.drop_caches,
         repeats=args.repeat, keep_inputs=args.keep, per_file_limit_s=args.per_file_limit_s,
-        timeout_s=args.timeout_s,
+        timeout_s=args.timeout_s, real_structured=args.real_structured,
     )
     try:
         _check_sizes(config, args.sizes if args.plot else None)  # before anything is written
@@ -147,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if not args.workdir and not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)
-    report.update(size_gb=args.size_gb, repeat=args.repeat, cache="dropped" if args.drop_caches else "warm",
+    report.update(size_gb=args.size_gb, real_structured=args.real_structured, repeat=args.repeat, cache="dropped" if args.drop_caches else "warm",
                   machine=machine_info(workdir if workdir.exists() else workdir.parent), limits=_limits(args))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
@@ -163,7 +168,8 @@ def _check_sizes(config: runner.BenchConfig, sweep_sizes: list[float] | None) ->
         runner.plan_inputs(config)
         return
     try:
-        synth.plan_model_config(int(min(sweep_sizes) * runner.GB), runner.SWEEP_SCENARIO.inputs, layers=config.layers)
+        synth.plan_model_config(int(min(sweep_sizes) * runner.GB), runner.SWEEP_SCENARIO.inputs, layers=config.layers,
+                                real_structured=config.real_structured)
     except ValueError as e:
         raise ValueError(str(e).replace("--size-gb", "--plot-sizes")) from None
 
