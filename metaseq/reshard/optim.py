@@ -82,15 +82,15 @@ def check_per_rank_state(optim: OptimLayout, model: ModelLayout, num_output_shar
     """Refuse per-rank scalars (see StateEntry.per_rank) for outputs whose ranks hold other elements.
 
     Their values belong to one input rank's elements; only the same number of flat outputs
-    (the same elements per rank) or fairscale's consolidated layout (a list per rank) keeps them right.
+    (the same elements per rank) keeps them right.
     """
     for k, entries in optim.entries.items():
-        for e in (e for e in entries if e.per_rank and not unflatten and len(e.values) != num_output_shards):
+        for e in (e for e in entries if e.per_rank and (unflatten or len(e.values) != num_output_shards)):
+            moved = "--unflatten-weights" if unflatten else f"--num-output-shards={num_output_shards}"
             raise ReshardError(
                 f"{model.labels[0]}: {OPTIM}.state[{k}]['{e.name}'] differs between the {len(e.values)} input "
                 "ranks: per-rank state (e.g. the scale of --fp16-adam-stats moments) belongs to the elements each "
-                f"rank holds, which move with --num-output-shards={num_output_shards}; keep "
-                f"--num-output-shards={len(e.values)} or pass --skip-optimizer-state"
+                f"rank holds, which move with {moved}; keep {len(e.values)} flat shards or pass --skip-optimizer-state"
             )
 
 

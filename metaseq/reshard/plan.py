@@ -268,6 +268,8 @@ def read_inputs(paths: Sequence[str], *, trust: bool = False) -> list[InputFile]
 def plan_structures(inputs: Sequence[InputFile], options: ReshardOptions, outputs: Sequence[str]) -> Plan:
     """The plan for inputs already read (ordered by shard index) into the files named `outputs`."""
     source = analyze_inputs([i.structure for i in inputs], [i.path for i in inputs], options)
+    if source.optim is not None:
+        check_per_rank_state(source.optim, source.model, options.num_output_shards, options.unflatten_weights)
     files = tuple(OutFile(path, r, tuple(output_tensors(source, options, r))) for r, path in enumerate(outputs))
     plan = Plan(options, tuple(inputs), source, files)
     for out in files:
@@ -293,8 +295,6 @@ def analyze_inputs(structures: Sequence[Mapping[str, Any]], labels: Sequence[str
         raise ReshardError("no input shards")
     model = analyze_model(structures, labels)
     optim = None if options.skip_optimizer_state else analyze_optimizer(structures, model)
-    if optim is not None:
-        check_per_rank_state(optim, model, options.num_output_shards, options.unflatten_weights)
     if optim is not None and options.unflatten_weights and optim.num_param_groups != 1:
         raise ReshardError(
             f"{labels[0]}: {OPTIM} has {optim.num_param_groups} param groups but fairscale's consolidated "
@@ -385,6 +385,8 @@ def assemble_output(plan: Plan, out: OutFile) -> dict[str, Any]:
             result[key] = assemble_flat_optimizer(value, source.optim, source.model, tensors, out.rank)
         elif key == "extra_state" and isinstance(value, Mapping):
             result[key] = _assemble_extra_state(source.model, options, value, tensors)
+            if out.rank or out.part:
+                result[key] = _only_on_rank_zero(result[key], plan.inputs)
         elif key == "cfg" and options.num_output_parts is not None and isinstance(value, Mapping):
             result[key] = _cfg_for_parts(value, options, out.part)
         else:
@@ -418,6 +420,18 @@ def _assemble_extra_state(model: ModelLayout, options: ReshardOptions, extra0: M
     if options.drop_metaseq_req:
         out["train_iterator"] = None
     return out
+
+
+def _only_on_rank_zero(extra: dict[str, Any], inputs: Sequence[InputFile]) -> dict[str, Any]:
+    """Data loader state that only input 0 holds (upstream's tokenization cache: None on the other
+    ranks) stays on output 0 alone, rather than being copied into every output."""
+    iterator = extra.get("train_iterator")
+    others = [i.structure.get("extra_state") for i in inputs[1:]]
+    if not isinstance(iterator, Mapping) or not others or not all(isinstance(o, Mapping) for o in others):
+        return extra
+    theirs = [o.get("train_iterator") if isinstance(o.get("train_iterator"), Mapping) else {} for o in others]
+    alone = [k for k, v in iterator.items() if v is not None and all(k in t and t[k] is None for t in theirs)]
+    return {**extra, "train_iterator": {**iterator, **dict.fromkeys(alone)}} if alone else extra
 
 
 def _cfg_for_parts(cfg: Mapping[str, Any], options: ReshardOptions, part: int) -> dict[str, Any]:

@@ -1,0 +1,160 @@
+"""Resharding checkpoints built to upstream metaseq's exact structure (tests/real_metaseq.py, real fairscale FSDP).
+
+fp16 flat parameters, tuple shapes, Namespace cfgs, int steps, a rank-0 LockingArray of a module
+this project does not have, EMA shards, --fp16-adam-stats moments, a DictConfig `restored.pt`.
+"""
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from metaseq.benchmark.upstream_stubs import upstream_classes
+from metaseq.cli import interactive_cli
+from metaseq.errors import CheckpointLoadError
+from metaseq.file_io import load_checkpoint
+from metaseq.scripts.compare_checkpoints import main as compare
+from metaseq.scripts.reshard_fsdp import main as reshard
+from real_metaseq import EMA_KEYS, RESTORED, RealRunSpec, expected_tokenization_cache, load_real, write_real_runs
+
+REPO = Path(__file__).resolve().parents[1]
+SHARDS = "checkpoint_last-model_part-0-shard*.pt"
+SHARDED = ("model", "shard_metadata", "last_optimizer_state", "extra_state")  # the rest: rank 0's, carried
+
+
+@pytest.fixture(scope="module")
+def real(tmp_path_factory) -> dict[str, Path]:
+    """Two real-structured runs on 4 ranks: with EMA and a DictConfig restored.pt, and with fp16 Adam stats."""
+    plain, fp16_stats = tmp_path_factory.mktemp("real"), tmp_path_factory.mktemp("real_fp16_stats")
+    write_real_runs([(plain, RealRunSpec(4, updates=2, restored=True)),
+                     (fp16_stats, RealRunSpec(4, updates=2, fp16_adam_stats=True, ema=False))])
+    return {"plain": plain, "fp16_stats": fp16_stats}
+
+
+def _reshard(src: str, out: Path, *flags: str) -> None:
+    assert reshard(["--input", src, "--output", str(out), "--quiet", *flags]) == 0
+
+
+def _assert_same(a, b, where: str) -> None:
+    """Tensors bit for bit (dtype and shape too), everything else equal, recursively (dict order aside:
+    outputs list a model's flat parameters before its buffers)."""
+    if torch.is_tensor(a):
+        assert torch.is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and sorted(a, key=str) == sorted(b, key=str), (where, list(a), list(b))
+        for key in a:
+            _assert_same(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert type(a) is type(b) and a == b, (where, a, b)
+
+
+@pytest.mark.parametrize("via", [["--num-output-shards", "3"], ["--unflatten-weights", "True"]], ids=["4-3-4", "4-1-4"])
+def test_round_trip_is_bit_identical_and_carries_every_object(real, tmp_path, via):
+    """No --trust-checkpoint: nothing of the checkpoint's classes is loaded, all of it comes back."""
+    _reshard(str(real["plain"] / SHARDS), tmp_path / "mid" / "m{i}.pt", *via)
+    _reshard(str(tmp_path / "mid" / "m*.pt"), tmp_path / "back" / "s{i}.pt", "--num-output-shards", "4")
+    inputs = [load_real(p) for p in sorted(real["plain"].glob(SHARDS))]
+    for rank, want in enumerate(inputs):
+        got = load_real(tmp_path / "back" / f"s{rank}.pt")
+        assert list(got) == list(want)  # top-level keys in the inputs' order
+        _assert_same(got["model"], want["model"], "model")  # fp16 flat parameters and buffer
+        _assert_same(got["shard_metadata"], want["shard_metadata"], "shard_metadata")  # tuple shapes too
+        for k, state in want["last_optimizer_state"]["state"].items():
+            for name in ("exp_avg", "exp_avg_sq"):
+                _assert_same(got["last_optimizer_state"]["state"][k][name], state[name], f"state {k} {name}")
+        for key in EMA_KEYS:  # this rank's EMA shards, resharded like the model
+            _assert_same(got["extra_state"][key], want["extra_state"][key], key)
+        carried, extra = _without_cache(inputs[0]["extra_state"]), _without_cache(got["extra_state"])
+        _assert_same(extra, carried, "extra_state")  # rank 0's metrics, rng states, data position
+        for key in (k for k in want if k not in SHARDED):
+            _assert_same(got[key], inputs[0][key], key)  # cfg with its Namespaces, optimizer_history, ...
+        # upstream keeps the tokenization cache on rank 0 alone; outputs do too when the inputs say so
+        cache = got["extra_state"]["train_iterator"]["tokenization_cache"]
+        assert cache == expected_tokenization_cache(0) if rank == 0 or "--unflatten-weights" in via else cache is None
+
+
+def _without_cache(extra: dict) -> dict:
+    out = {k: v for k, v in extra.items() if k not in EMA_KEYS}
+    out["train_iterator"] = {k: v for k, v in out["train_iterator"].items() if k != "tokenization_cache"}
+    return out
+
+
+def test_real_shards_are_resharded_without_torch_or_their_classes(real, tmp_path):
+    code = ("import sys\nfrom metaseq.scripts.reshard_fsdp import main\n"
+            f"rc = main(['--input', {str(real['plain'] / SHARDS)!r}, '--output', {str(tmp_path / 's{i}.pt')!r},"
+            " '--num-output-shards', '3'])\nprint(rc, 'torch' in sys.modules)\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.stdout.split() == ["0", "False"], proc.stderr
+    assert "carrying objects of argparse.Namespace, metaseq.data.document_to_sequence.LockingArray" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_ema_is_cut_like_the_model(real, tmp_path):
+    _reshard(str(real["plain"] / SHARDS), tmp_path / "s{i}.pt", "--num-output-shards", "3")
+    for rank in range(3):
+        got = load_real(tmp_path / f"s{rank}.pt")
+        for key in EMA_KEYS:
+            for name, tensor in got["model"].items():
+                assert got["extra_state"][key][name].shape == tensor.shape, (rank, key, name)
+            assert got["extra_state"][key]["flat_param_0"].dtype == (torch.float16 if key == "ema" else torch.float32)
+    assert compare([str(real["plain"] / SHARDS), str(tmp_path / "s*.pt")]) == 0
+
+
+def test_fp16_adam_stats_stay_exact_or_are_refused(real, tmp_path, capsys):
+    src = str(real["fp16_stats"] / SHARDS)
+    _reshard(src, tmp_path / "same" / "s{i}.pt", "--num-output-shards", "4")  # the same elements per rank
+    for rank, path in enumerate(sorted(real["fp16_stats"].glob(SHARDS))):
+        want, got = load_real(path), load_real(tmp_path / "same" / f"s{rank}.pt")
+        _assert_same(got["last_optimizer_state"], want["last_optimizer_state"], f"rank {rank}")
+    for flags in (["--num-output-shards", "3"], ["--unflatten-weights", "True"]):
+        assert reshard(["--input", src, "--output", str(tmp_path / "no" / "s{i}.pt"), "--quiet", *flags]) == 2
+        err = capsys.readouterr().err
+        assert "['exp_avg_scale'] differs between the 4 input ranks" in err and "--skip-optimizer-state" in err
+        assert not (tmp_path / "no").exists()
+    _reshard(src, tmp_path / "weights" / "s{i}.pt", "--num-output-shards", "3", "--skip-optimizer-state", "True")
+
+
+def test_compare_catches_a_wrong_scale(real, tmp_path, capsys):
+    """Old tools gave every output rank 0's scale: the moments' values change, which compare must see."""
+    wrong = tmp_path / "wrong"
+    wrong.mkdir()
+    paths = sorted(real["fp16_stats"].glob(SHARDS))
+    scales = load_real(paths[0])["last_optimizer_state"]["state"]
+    for path in paths:
+        ckpt = load_real(path)
+        for k, state in ckpt["last_optimizer_state"]["state"].items():
+            state["exp_avg_scale"] = scales[k]["exp_avg_scale"].clone()
+        with upstream_classes():
+            torch.save(ckpt, wrong / path.name)
+    assert compare([str(real["fp16_stats"] / SHARDS), str(real["fp16_stats"] / SHARDS)]) == 0
+    capsys.readouterr()
+    assert compare([str(real["fp16_stats"] / SHARDS), str(wrong / SHARDS)]) == 1
+    assert "differs: optimizer exp_avg of" in capsys.readouterr().out
+
+
+def test_missing_module_is_not_called_corruption(real):
+    with pytest.raises(CheckpointLoadError) as info:
+        load_checkpoint(sorted(real["plain"].glob(SHARDS))[0], trust=True)  # torch.load needs the class
+    message = str(info.value)
+    assert "metaseq.data.document_to_sequence" in message and "not installed" in message
+    assert "corrupt" not in message
+
+
+def test_interactive_cli_serves_consolidated_real_files(real, tmp_path, capsys, monkeypatch):
+    """A consolidation of real shards (LockingArray inside) and upstream's DictConfig restored.pt answer alike."""
+    _reshard(str(real["plain"] / SHARDS), tmp_path / "reshard-model_part-0.pt", "--unflatten-weights", "True",
+             "--skip-optimizer-state", "True")
+    answers = []
+    for path in (tmp_path / "reshard-model_part-0.pt", real["plain"] / RESTORED):
+        monkeypatch.setattr(sys, "stdin", io.StringIO("what is the meaning of life?\n"))
+        assert interactive_cli.main(["--path", str(path), "--max-new-tokens", "6"]) == 0, capsys.readouterr().err
+        answers.append(capsys.readouterr().out)
+    assert answers[0] == answers[1] and answers[0].strip()
