@@ -12,6 +12,12 @@ builds the equivalent `python -m metaseq.scripts.reshard_fsdp` command, logs it
 tool, it replaces existing output files. Example:
 
     python deprecated/reshard_mp.py ckpts/checkpoint_last out --part 0 --target-ddp-size 8
+
+Upstream's later `reshard_mp.py` did change model parallelism, of consolidated files
+(model weights only); that form is forwarded to `metaseq.scripts.reshard_model_parallel`:
+
+    python deprecated/reshard_mp.py --input "out/reshard-model_part-*.pt" \
+        --output "mp/reshard-model_part-{i}.pt" --num-output-parts 2
 """
 from __future__ import annotations
 
@@ -25,6 +31,8 @@ from pathlib import Path
 
 REMOVED_AFTER = "0.3"
 NEW_TOOL = "metaseq.scripts.reshard_fsdp"
+MP_TOOL = "metaseq.scripts.reshard_model_parallel"
+UPSTREAM_FLAGS = ("--input", "--output", "--num-output-parts", "--num_output_parts")
 # The words reshard_fsdp's `--flag BOOL` takes. Not imported from there: this script must
 # start, and warn, without importing torch (the launchers call it once per part to warn).
 TRUE_WORDS = {"true", "1", "yes", "y", "on"}
@@ -83,13 +91,33 @@ def replacement_argv(args: argparse.Namespace) -> list[str]:
     return argv
 
 
-def replacement_command(argv: list[str]) -> str:
+def build_upstream_parser() -> argparse.ArgumentParser:
+    """Upstream metaseq's later form: consolidated parts in, consolidated parts out, weights only."""
+    p = argparse.ArgumentParser(
+        prog="python deprecated/reshard_mp.py",
+        description=(f"DEPRECATED (removed after release {REMOVED_AFTER}): change the number of model parts of "
+                     f"consolidated files. Forwards to python -m {MP_TOOL}, which is what you should call instead."),
+    )
+    p.add_argument("--input", required=True, help="glob of the parts' consolidated files (quote it)")
+    p.add_argument("--output", required=True, help="output name; '{i}' (or '{j}') is the model part")
+    p.add_argument("--num-output-parts", "--num_output_parts", type=int, default=1, help="model parts Q")
+    return p
+
+
+def upstream_replacement_argv(args: argparse.Namespace) -> list[str]:
+    """The `reshard_model_parallel` arguments that do what upstream's reshard_mp did."""
+    return ["--input-glob-pattern", args.input, "--output-shard-name", args.output.replace("{i}", "{j}"),
+            "--num-output-parts", str(args.num_output_parts), "--num-output-shards", "1",
+            "--unflatten-weights", "True", "--skip-optimizer-state", "True", "--overwrite"]
+
+
+def replacement_command(argv: list[str], tool: str = NEW_TOOL) -> str:
     """A complete, copy-pasteable shell command."""
-    return shlex.join(["python", "-m", NEW_TOOL, *argv])
+    return shlex.join(["python", "-m", tool, *argv])
 
 
-def warn_deprecated(argv: list[str]) -> None:
-    command = replacement_command(argv)
+def warn_deprecated(argv: list[str], tool: str = NEW_TOOL) -> None:
+    command = replacement_command(argv, tool)
     logger.warning(
         "deprecated/reshard_mp.py is deprecated and will be removed after release %s; "
         "it now runs this command, use it instead:\n    %s",
@@ -97,7 +125,7 @@ def warn_deprecated(argv: list[str]) -> None:
     )
     warnings.warn(
         f"deprecated/reshard_mp.py will be removed after release {REMOVED_AFTER}; "
-        f"use python -m {NEW_TOOL} (the exact command is in the log above)",
+        f"use python -m {tool} (the exact command is in the log above)",
         DeprecationWarning,
         stacklevel=2,
     )
@@ -105,6 +133,9 @@ def warn_deprecated(argv: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s", stream=sys.stderr)
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a.split("=", 1)[0] in UPSTREAM_FLAGS for a in argv):
+        return _main_upstream(argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.part < 0:
@@ -127,6 +158,16 @@ def main(argv: list[str] | None = None) -> int:
     from metaseq.scripts import reshard_fsdp
 
     return reshard_fsdp.main(new_argv)
+
+
+def _main_upstream(argv: list[str]) -> int:
+    args = build_upstream_parser().parse_args(argv)
+    new_argv = upstream_replacement_argv(args)
+    warn_deprecated(new_argv, MP_TOOL)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from metaseq.scripts import reshard_model_parallel
+
+    return reshard_model_parallel.main(new_argv)
 
 
 if __name__ == "__main__":

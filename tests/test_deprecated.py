@@ -227,3 +227,18 @@ def test_slurm_launcher_without_srun_points_to_no_slurm_variant(tmp_path):
     assert "srun is not on PATH" in proc.stderr
     assert "reshard_mp_launch_no_slurm.sh" in proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_upstream_form_forwards_to_reshard_model_parallel(mp_runs, tmp_path):
+    """Upstream's later `reshard_mp --input ... --output ...{i}... --num-output-parts Q` (consolidated parts)."""
+    save_dir, _ = mp_runs["p2"]
+    assert reshard_fsdp.main(["--input", str(save_dir / "checkpoint_last-model_part-{j}-shard*.pt"),
+                              "--output", str(tmp_path / "parts" / "reshard-model_part-{j}.pt"),
+                              "--unflatten-weights", "--skip-optimizer-state", "--quiet"]) == 0
+    proc = _run([sys.executable, SHIM, "--input", tmp_path / "parts" / "reshard-model_part-*.pt",
+                 "--output", tmp_path / "one" / "reshard-model_part-{i}.pt", "--num-output-parts", "1"], cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    assert "deprecated" in proc.stderr and "python -m metaseq.scripts.reshard_model_parallel" in proc.stderr
+    merged = load_checkpoint(tmp_path / "one" / "reshard-model_part-0.pt")
+    assert "last_optimizer_state" not in merged  # weights only, as upstream's tool wrote
+    assert merged["model"]["decoder.embed_tokens.weight"].shape[0] == 260  # both parts' vocabulary rows

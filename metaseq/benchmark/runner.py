@@ -19,10 +19,12 @@ Targets (issue 6):
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
 import shutil
+import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -60,7 +62,7 @@ LOAD_SAVE_FACTOR = 1.3
 COPY_FACTOR = 2.0
 MANY_FILES = 64
 PER_FILE_LIMIT_S = 10.0
-_SCENARIO_RE = re.compile(r"(\d+)-(\d+)(u?)((?:\+(?:fp16|bf16|verify))*)")
+_SCENARIO_RE = re.compile(r"(?:(\d+)x)?(\d+)-(?:(\d+)x)?(\d+)(u?)((?:\+(?:fp16|bf16|verify))*)")
 
 
 @dataclass(frozen=True)
@@ -69,10 +71,16 @@ class Scenario:
     outputs: int  # M
     unflatten: bool = False  # "8-1u": --unflatten-weights True
     extras: tuple[str, ...] = ()  # "8-16+fp16+verify": --output-dtype fp16 --verify
+    in_parts: int = 1  # "2x4-1x8": model parts P x shards N -> Q x M (reshard_model_parallel)
+    out_parts: int | None = None
 
     @property
     def name(self) -> str:
-        return f"{self.inputs}-{self.outputs}{'u' if self.unflatten else ''}" + "".join(f"+{e}" for e in self.extras)
+        if self.out_parts is None:
+            base = f"{self.inputs}-{self.outputs}"
+        else:
+            base = f"{self.in_parts}x{self.inputs}-{self.out_parts}x{self.outputs}"
+        return base + ("u" if self.unflatten else "") + "".join(f"+{e}" for e in self.extras)
 
     @property
     def flags(self) -> list[str]:
@@ -90,11 +98,14 @@ def parse_scenarios(text: str) -> list[Scenario]:
     scenarios = []
     for item in filter(None, (s.strip() for s in text.split(","))):
         match = _SCENARIO_RE.fullmatch(item)
-        if not match or int(match[1]) < 1 or int(match[2]) < 1:
-            raise ValueError(f"--scenarios {text!r}: {item!r} is not N-M or N-1u with N, M >= 1, optionally "
-                             "followed by +fp16, +bf16 or +verify (e.g. 8-16, 8-16+fp16)")
-        extras = tuple(e for e in match[4].split("+") if e)
-        scenario = Scenario(int(match[1]), int(match[2]), match[3] == "u", extras)
+        numbers = [int(g) for g in match.groups()[:4] if g is not None] if match else [0]
+        if not match or min(numbers) < 1 or (match[1] is None) != (match[3] is None):
+            raise ValueError(f"--scenarios {text!r}: {item!r} is not N-M, N-1u or PxN-QxM (model parts x shards) "
+                             "with numbers >= 1, optionally followed by +fp16, +bf16 or +verify (e.g. 8-16, 2x4-1x8)")
+        extras = tuple(e for e in match[6].split("+") if e)
+        mp = match[1] is not None
+        scenario = Scenario(int(match[2]), int(match[4]), match[5] == "u", extras, int(match[1] or 1),
+                            int(match[3]) if mp else None)
         if scenario.unflatten and scenario.outputs != 1:
             raise ValueError(
                 f"--scenarios {text!r}: {item!r}: an unflattened output is one file; use {scenario.inputs}-1u"
@@ -121,10 +132,11 @@ class BenchConfig:
 
 @dataclass(frozen=True)
 class Baselines:
-    inputs: int
+    inputs: int  # shards per model part
     input_bytes: int
     load_save: Measurement
     copy: Measurement
+    parts: int = 1
 
 
 @dataclass
@@ -166,7 +178,8 @@ def memory_bound(config: ModelConfig, scenario: Scenario) -> int:
     floats = len(synth.STATE_KINDS)  # param, exp_avg, exp_avg_sq
     if scenario.unflatten:
         return floats * sum(numels) * synth.FLOAT_BYTES + SLACK_BYTES
-    shard = floats * sum(synth.shard_numel(n, scenario.outputs) for n in numels) * synth.FLOAT_BYTES
+    files = scenario.outputs * (scenario.out_parts or 1)  # model parts: as if the files were one part's shards
+    shard = floats * sum(synth.shard_numel(n, files) for n in numels) * synth.FLOAT_BYTES
     return shard + max(numels) * synth.FLOAT_BYTES + SLACK_BYTES
 
 
@@ -179,6 +192,10 @@ def reshard_command(scenario: Scenario, input_glob: str, out_dir: Path) -> list[
         "--num-output-shards", str(scenario.outputs),
         "--quiet",
     ]
+    if scenario.out_parts is not None:
+        cmd[2] = "metaseq.scripts.reshard_model_parallel"
+        cmd[6] = str(out_dir / "out-part{j}-shard{i}.pt")
+        cmd += ["--num-output-parts", str(scenario.out_parts)]
     return cmd + (["--unflatten-weights", "True"] if scenario.unflatten else []) + scenario.flags
 
 
@@ -223,7 +240,7 @@ def measure_baselines(ckpt: synth.SyntheticCheckpoint, config: BenchConfig) -> B
     for name, m in (("cp+sync", copy), ("load+save", load_save)):
         if m.returncode != 0:
             raise RuntimeError(f"baseline {name} failed (exit {m.returncode}) on {ckpt.glob_pattern}: {m.stderr_tail}")
-    return Baselines(ckpt.world_size, ckpt.total_bytes, load_save, copy)
+    return Baselines(ckpt.world_size, ckpt.total_bytes, load_save, copy, ckpt.parts)
 
 
 def _baseline_flags(config: BenchConfig) -> list[str]:
@@ -275,24 +292,28 @@ def judge_targets(
     return targets
 
 
-def plan_inputs(config: BenchConfig) -> dict[int, ModelConfig]:
-    """Model config per input shard count, checked before anything is written."""
+def plan_inputs(config: BenchConfig) -> dict[tuple[int, int], ModelConfig]:
+    """Model config per (input parts, shards per part), checked before anything is written."""
     size = int(config.size_gb * GB)
-    return {n: synth.plan_model_config(size, n, layers=config.layers, real_structured=config.real_structured)
-            for n in dict.fromkeys(s.inputs for s in config.scenarios)}
+    model_parallel = any(s.out_parts for s in config.scenarios)  # sizes that 2 and 4 parts divide
+    return {(p, n): synth.plan_model_config(size, p * n, layers=config.layers, real_structured=config.real_structured,
+                                            parts=4 if model_parallel else 1)
+            for p, n in dict.fromkeys((s.in_parts, s.inputs) for s in config.scenarios)}
 
 
 def run_benchmark(config: BenchConfig) -> tuple[list[Baselines], list[ScenarioResult]]:
     """All scenarios, grouped by input shard count; each group's inputs are deleted when done."""
     baselines, results = [], []
-    for n, model_config in plan_inputs(config).items():
-        in_dir = config.workdir / f"in-{n}"
-        logger.info("writing %d synthetic shard(s), embed dim %d, %d layers, to %s",
-                    n, model_config.decoder_embed_dim, model_config.decoder_layers, in_dir)
-        ckpt = synth.write_synthetic_checkpoint(in_dir, model_config, n, real_structured=config.real_structured)
+    for (parts, n), model_config in plan_inputs(config).items():
+        in_dir = config.workdir / f"in-{parts}x{n}"
+        logger.info("writing %d x %d synthetic shard(s), embed dim %d, %d layers, to %s",
+                    parts, n, model_config.decoder_embed_dim, model_config.decoder_layers, in_dir)
+        ckpt = synth.write_synthetic_checkpoint(in_dir, model_config, parts * n, real_structured=config.real_structured)
+        if parts > 1:
+            ckpt = _cut_into_parts(ckpt, parts, n, in_dir)
         base = measure_baselines(ckpt, config)
         baselines.append(base)
-        for scenario in (s for s in config.scenarios if s.inputs == n):
+        for scenario in (s for s in config.scenarios if (s.in_parts, s.inputs) == (parts, n)):
             logger.info("running %s", scenario.name)
             results.append(run_scenario(scenario, ckpt, base, config))
             logger.info("%s: %.2f s, peak anon %.0f MiB (bound %.0f MiB)", scenario.name, results[-1].seconds,
@@ -302,6 +323,19 @@ def run_benchmark(config: BenchConfig) -> tuple[list[Baselines], list[ScenarioRe
     return baselines, results
 
 
+def _cut_into_parts(ckpt: synth.SyntheticCheckpoint, parts: int, n: int, in_dir: Path) -> synth.SyntheticCheckpoint:
+    """A model-parallel input: the one-part synthetic checkpoint cut into `parts` x `n` by the tool (untimed)."""
+    out = in_dir / "parts"
+    cmd = [sys.executable, "-m", "metaseq.scripts.reshard_model_parallel", "--input-glob-pattern", ckpt.glob_pattern,
+           "--output-shard-name", str(out / "checkpoint_last-model_part-{j}-shard{i}.pt"),
+           "--num-output-parts", str(parts), "--num-output-shards", str(n), "--quiet"]
+    subprocess.run(cmd, check=True)
+    for path in ckpt.paths:
+        path.unlink()
+    paths = tuple(out / synth.shard_file_name("checkpoint_last", j, i) for j in range(parts) for i in range(n))
+    return dataclasses.replace(ckpt, world_size=n, paths=paths, parts=parts)
+
+
 def format_table(baselines: list[Baselines], results: list[ScenarioResult]) -> str:
     """A Markdown table: baselines first, then one row per scenario."""
     header = ["run", "input GB", "seconds", "GB/s", "x load+save", "x cp", "peak RSS MiB",
@@ -309,7 +343,7 @@ def format_table(baselines: list[Baselines], results: list[ScenarioResult]) -> s
     rows = []
     for b in baselines:
         for name, m in (("cp+sync", b.copy), ("load+save", b.load_save)):
-            rows.append([f"{name} ({b.inputs} in)", f"{b.input_bytes / GB:.3f}", f"{m.seconds:.2f}",
+            rows.append([f"{name} ({b.parts}x{b.inputs} in)" if b.parts > 1 else f"{name} ({b.inputs} in)", f"{b.input_bytes / GB:.3f}", f"{m.seconds:.2f}",
                          f"{b.input_bytes / GB / m.seconds:.3f}", "", "", f"{m.peak_rss / MIB:.0f}",
                          f"{m.peak_anon / MIB:.0f}", "", "", ""])
     for r in results:

@@ -92,7 +92,8 @@ class FlatLayout:
 class SyntheticCheckpoint:
     config: ModelConfig
     world_size: int
-    paths: tuple[Path, ...]  # rank order
+    paths: tuple[Path, ...]  # rank order (part by part)
+    parts: int = 1
 
     @property
     def total_bytes(self) -> int:
@@ -100,8 +101,10 @@ class SyntheticCheckpoint:
 
     @property
     def glob_pattern(self) -> str:
-        """What `--input-glob-pattern` takes; matches exactly `paths`."""
+        """What `--input-glob-pattern` takes; matches exactly `paths` (every part's)."""
         name = glob.escape(self.paths[0].name).replace("shard0.pt", "shard*.pt")
+        if self.parts > 1:
+            name = name.replace("model_part-0-", "model_part-*-")
         return os.path.join(glob.escape(str(self.paths[0].parent)), name)
 
 
@@ -138,16 +141,23 @@ def _buffers(config: ModelConfig) -> dict[str, torch.Tensor]:
     return {name: torch.full(b.shape, 3.0) for name, b in _meta_model(config).named_buffers()}
 
 
-def model_config_for_width(embed_dim: int, layers: int) -> ModelConfig:
-    """OPT-like proportions; odd offsets keep flat parameters from dividing evenly."""
-    heads = max(h for h in range(1, 33) if embed_dim % h == 0)
+def model_config_for_width(embed_dim: int, layers: int, parts: int = 1) -> ModelConfig:
+    """OPT-like proportions; odd offsets keep flat parameters from dividing evenly.
+
+    `parts` > 1: the width is rounded up to a multiple of 4, and heads, vocabulary and FFN
+    width are divisible by 4 (model parallelism up to 4 parts); flat parameters still pad.
+    """
+    if parts > 1:
+        embed_dim += -embed_dim % 4
+    heads = max(h for h in range(1, 33) if embed_dim % h == 0 and (parts == 1 or h % 4 == 0))
+    ffn, vocab = (4 * embed_dim + 3, 16 * embed_dim + 7) if parts == 1 else (4 * embed_dim + 4, 16 * embed_dim + 4)
     return ModelConfig(
         decoder_layers=layers,
         decoder_embed_dim=embed_dim,
         decoder_attention_heads=heads,
-        decoder_ffn_embed_dim=4 * embed_dim + 3,
+        decoder_ffn_embed_dim=ffn,
         max_target_positions=2 * embed_dim + 5,
-        vocab_size=16 * embed_dim + 7,
+        vocab_size=vocab,
     )
 
 
@@ -160,10 +170,11 @@ def _width(i: int) -> int:
     return MIN_EMBED_DIM + 6 * (i // 2) + 2 * (i % 2)
 
 
-def plan_model_config(size_bytes: int, world_size: int, *, layers: int = 12, real_structured: bool = False) -> ModelConfig:
+def plan_model_config(size_bytes: int, world_size: int, *, layers: int = 12, real_structured: bool = False,
+                      parts: int = 1) -> ModelConfig:
     """The model whose `world_size` shard files (model + Adam state) total closest to `size_bytes`."""
     def estimate(i: int) -> int:
-        config = model_config_for_width(_width(i), layers)
+        config = model_config_for_width(_width(i), layers, parts)
         return estimate_checkpoint_bytes(config, world_size, real_structured=real_structured)
 
     smallest = estimate(0)
@@ -179,7 +190,7 @@ def plan_model_config(size_bytes: int, world_size: int, *, layers: int = 12, rea
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if estimate(mid) <= size_bytes else (lo, mid)
     best = min((lo, hi), key=lambda i: abs(estimate(i) - size_bytes))
-    return model_config_for_width(_width(best), layers)
+    return model_config_for_width(_width(best), layers, parts)
 
 
 def estimate_checkpoint_bytes(config: ModelConfig, world_size: int, *, real_structured: bool = False) -> int:
