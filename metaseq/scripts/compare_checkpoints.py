@@ -50,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="largest abs difference still counted as equal (default 0: exact)")
     parser.add_argument("--skip-optimizer-state", action="store_true", help="compare model tensors only")
     parser.add_argument("--trust-checkpoint", action="store_true",
-                        help="allow arbitrary pickled objects; unpickling can run code, so only for trusted files")
+                        help="let torch.load run the classes of inputs in torch's legacy (non-zip) format; "
+                        "trusted files only (other inputs never need it)")
     parser.add_argument("--quiet", action="store_true", help="print only the verdict line")
     return parser
 
