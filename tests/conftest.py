@@ -30,12 +30,12 @@ def trained(tmp_path_factory):
 def mp_runs(tmp_path_factory):
     """{name: (save_dir, {update: loss})} for P = 2 and P = 1, both attention layouts, same seed and batches.
 
-    "p2" runs 2 parts x 2 shards (W = 4); "p2" and "p1" also save after update 2 (`checkpoint_2-*`).
+    "p2" and "p2_fused" run 2 parts x 2 shards (W = 4); "p2" and "p1" also save after update 2 (`checkpoint_2-*`).
     """
     specs = {
         "p2": dict(model_parallel_size=2, world_size=4, extra=["--save-interval-updates", "2"]),
         "p1": dict(model_parallel_size=1, world_size=1, extra=["--save-interval-updates", "2"]),
-        "p2_fused": dict(model_parallel_size=2, world_size=2, fused_qkv=True),
+        "p2_fused": dict(model_parallel_size=2, world_size=4, fused_qkv=True),
         "p1_fused": dict(model_parallel_size=1, world_size=1, fused_qkv=True),
     }
     out = {}

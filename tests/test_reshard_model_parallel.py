@@ -118,10 +118,13 @@ def test_two_parts_to_four_parts_resumes_the_run(tmp_path):
 
 @pytest.mark.parametrize("run", ["p2", "p2_fused"])
 def test_one_part_and_back_is_bit_identical(mp_runs, tmp_path, run):
+    """P = 2, D = 2 -> Q = 1, M = 1 (the metadata real FSDP writes at P = 1) -> Q = 2, M = 2: the same files."""
     save_dir, _ = mp_runs[run]
     files = sorted(save_dir.glob(SHARDS.format(n="last")))
     shards_per_part = len(files) // 2
     _reshard(save_dir, str(tmp_path / "one" / OUT), "--num-output-parts", "1")
+    plain = load_checkpoint(mp_runs[run.replace("p2", "p1")][0] / OUT.format(j=0, i=0))  # a real P = 1 run
+    assert load_checkpoint(tmp_path / "one" / OUT.format(j=0, i=0))["shard_metadata"] == plain["shard_metadata"]
     assert main(["--input", str(tmp_path / "one" / "*.pt"), "--output", str(tmp_path / "back" / OUT),
                  "--num-output-parts", "2", "--num-output-shards", str(shards_per_part), "--quiet"]) == 0
     for path in files:

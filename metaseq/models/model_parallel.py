@@ -34,13 +34,7 @@ from fairscale.nn.model_parallel import (
 from fairscale.nn.model_parallel.mappings import copy_to_model_parallel_region
 from torch import nn
 
-from metaseq.models.transformer_lm import (
-    ModelConfig,
-    causal_attention,
-    embed,
-    init_named_weight_,
-    init_qkv_weight_,
-)
+from metaseq.models.transformer_lm import ModelConfig, embed, init_named_weight_, init_qkv_weight_, self_attention
 
 __all__ = [
     "ModelParallelTransformerLanguageModel",
@@ -96,11 +90,7 @@ class ModelParallelSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (B, T, C) replicated -> (B, T, C) replicated; q, k, v are (B, T, C/P)."""
-        if hasattr(self, "qkv_proj"):
-            q, k, v = self.qkv_proj(x).chunk(3, dim=-1)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        return self.out_proj(causal_attention(q, k, v, self.heads))
+        return self_attention(self, x)
 
 
 class ModelParallelDecoderLayer(nn.Module):

@@ -35,6 +35,7 @@ __all__ = [
     "TransformerLanguageModel",
     "build_model",
     "causal_attention",
+    "self_attention",
     "embed",
     "init_named_weight_",
     "init_qkv_weight_",
@@ -96,6 +97,15 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: i
     return y.transpose(1, 2).reshape(B, T, C)
 
 
+def self_attention(attn: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """An attention block of either layout (one `qkv_proj`, or `q_proj`/`k_proj`/`v_proj`), then `out_proj`."""
+    if hasattr(attn, "qkv_proj"):
+        q, k, v = attn.qkv_proj(x).chunk(3, dim=-1)
+    else:
+        q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+    return attn.out_proj(causal_attention(q, k, v, attn.heads))
+
+
 class SelfAttention(nn.Module):
     def __init__(self, dim: int, heads: int, fused_qkv: bool = False):
         super().__init__()
@@ -109,11 +119,7 @@ class SelfAttention(nn.Module):
         self.out_proj = nn.Linear(dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if hasattr(self, "qkv_proj"):
-            q, k, v = self.qkv_proj(x).chunk(3, dim=-1)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        return self.out_proj(causal_attention(q, k, v, self.heads))
+        return self_attention(self, x)
 
 
 class DecoderLayer(nn.Module):

@@ -12,16 +12,16 @@ Cost: one more read of the inputs and two of the outputs.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Sequence
 
 from metaseq.errors import CheckpointLoadError, ReshardError
 from metaseq.file_io import check_checkpoint_crc
-from metaseq.reshard.compare import compare_tensor_sets, tensor_set_from_source
+from metaseq.reshard.compare import Comparison, compare_tensor_sets, tensor_set_from_source
 from metaseq.reshard.layout import ModelLayout
 from metaseq.reshard.options import ReshardOptions
-from metaseq.reshard.plan import Plan, analyze_inputs, read_inputs
+from metaseq.reshard.plan import Plan, Source, analyze_inputs, read_inputs
 from metaseq.reshard.ranges import shard_range
+from metaseq.reshard.write import remove_outputs
 
 __all__ = ["check_input_checksums", "verify_reshard_outputs"]
 
@@ -59,23 +59,40 @@ def verify_reshard_outputs(plan: Plan) -> str:
     try:
         return _verify(plan, paths)
     except (ReshardError, CheckpointLoadError) as e:
-        _remove(paths)
+        remove_outputs(paths)
         raise ReshardError(f"--verify failed, outputs removed: {e}") from None
     except BaseException:
-        _remove(paths)
+        remove_outputs(paths)
         raise
 
 
 def _verify(plan: Plan, paths: Sequence[str]) -> str:
     for path in paths:
         check_checkpoint_crc(path, tensors=True)
+    counts = [0, 0, 0, 0]  # parameters, buffers, optimizer tensors, optimizer scalars
+    compared = False
+    for part in sorted({out.part for out in plan.outputs}):  # model parts: each against its planned cut
+        outs = [out for out in plan.outputs if out.part == part]
+        result, buffers = _verify_part(plan, outs[0].source or plan.source, [out.path for out in outs])
+        counts = [a + b for a, b in zip(counts, (result.model_tensors - buffers, buffers, result.optimizer_tensors,
+                                                  result.optimizer_scalars))]
+        compared = result.optimizer_compared
+    report = (f"verified {len(paths)} output(s): {counts[0]} parameters, {counts[1]} buffers, "
+              f"{counts[2]} optimizer tensors bit-identical to the inputs")
+    if compared:
+        report += f", {counts[3]} optimizer scalars and the optimizer settings equal"
+    return report + "; metadata consistent"
+
+
+def _verify_part(plan: Plan, planned: Source, paths: Sequence[str]) -> tuple[Comparison, int]:
+    """One model part's outputs against the inputs they were planned from."""
     outs = read_inputs(paths, trust=plan.options.trust_checkpoint)
     source = analyze_inputs([o.structure for o in outs], list(paths), ReshardOptions())
-    _check_form(plan, source.model, paths)
-    if (source.optim is None) != (plan.source.optim is None):
+    _check_form(plan, planned.model, source.model, paths)
+    if (source.optim is None) != (planned.optim is None):
         state = "has" if source.optim is not None else "lacks"
         raise ReshardError(f"{paths[0]} {state} optimizer state, unlike the plan")
-    inputs = tensor_set_from_source(plan.source, plan.inputs, plan.options.output_dtype)
+    inputs = tensor_set_from_source(planned, plan.inputs, plan.options.output_dtype)
     outputs = tensor_set_from_source(source, outs)
     result = compare_tensor_sets(inputs, outputs, exact_dtype=True)
     if not result.equal:
@@ -84,19 +101,12 @@ def _verify(plan: Plan, paths: Sequence[str]) -> str:
             f"{len(result.differences)} difference(s) between the outputs and the inputs, "
             f"first {first.name}: {first.detail}"
         )
-    params = result.model_tensors - len(outputs.buffers)
-    report = (
-        f"verified {len(paths)} output(s): {params} parameters, {len(outputs.buffers)} buffers, "
-        f"{result.optimizer_tensors} optimizer tensors bit-identical to the inputs"
-    )
-    if result.optimizer_compared:
-        report += f", {result.optimizer_scalars} optimizer scalars and the optimizer settings equal"
-    return report + "; metadata consistent"
+    return result, len(outputs.buffers)
 
 
-def _check_form(plan: Plan, out: ModelLayout, paths: Sequence[str]) -> None:
-    """Same parameters as the inputs, in the planned form, each output rank padded as FSDP pads it."""
-    ref, opts = plan.source.model, plan.options
+def _check_form(plan: Plan, ref: ModelLayout, out: ModelLayout, paths: Sequence[str]) -> None:
+    """Same parameters as planned (`ref`), in the planned form, each output rank padded as FSDP pads it."""
+    opts = plan.options
     if out.unflattened != opts.unflatten_weights:
         form = "unflattened" if out.unflattened else "flat"
         raise ReshardError(f"{paths[0]} is {form}, unlike the plan")
@@ -118,11 +128,3 @@ def _check_paddings(out: ModelLayout, paths: Sequence[str], world_size: int) -> 
                 raise ReshardError(
                     f"{path}: '{fp.key}' holds {found[1]} of {found[0]} elements, expected {end - start} of {padded_len}"
                 )
-
-
-def _remove(paths: Sequence[str]) -> None:
-    for path in paths:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass

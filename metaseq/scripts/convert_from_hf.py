@@ -9,10 +9,8 @@ import argparse
 import logging
 import sys
 
-from metaseq.cli_logging import cli_logging, parse_bool
-from metaseq.file_io import CheckpointLoadError
-from metaseq.hf import ConversionError, convert_from_hf
-from metaseq.reshard import ReshardError
+from metaseq.cli_logging import OneLineErrorParser, cli_logging, one_line_error, parse_bool
+from metaseq.hf import convert_from_hf
 
 __all__ = ["build_parser", "main"]
 
@@ -37,13 +35,8 @@ config.json or weights, untied heads, activations other than ReLU, post-LayerNor
 word_embed_proj_dim != hidden_size) and models without biases or LayerNorm weights.
 """
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise ConversionError(f"{message} (see --help)")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    p = OneLineErrorParser(
         prog="python -m metaseq.scripts.convert_from_hf",
         description="Write metaseq raw FSDP shards (or one consolidated file) from a Hugging Face OPT folder.",
         epilog=EPILOG,
@@ -68,8 +61,8 @@ def main(argv: list[str] | None = None) -> int:
                 package_logger.setLevel(logging.WARNING)
             convert_from_hf(args.input, args.output_shard_name, num_output_shards=args.num_output_shards,
                             unflatten_weights=args.unflatten_weights, overwrite=args.overwrite)
-        except (ConversionError, ReshardError, CheckpointLoadError, OSError) as e:
-            logger.error("%s", " ".join(str(e).split()))
+        except Exception as e:  # noqa: BLE001 -- any error: one line, no traceback
+            logger.error("%s", one_line_error(e))
             return 2
     return 0
 

@@ -8,10 +8,8 @@ import argparse
 import logging
 import sys
 
-from metaseq.cli_logging import cli_logging
-from metaseq.file_io import CheckpointLoadError
-from metaseq.hf import ConversionError, convert_to_hf
-from metaseq.reshard import ReshardError
+from metaseq.cli_logging import OneLineErrorParser, cli_logging, one_line_error
+from metaseq.hf import convert_to_hf
 
 __all__ = ["build_parser", "main"]
 
@@ -37,13 +35,8 @@ variant are refused. Optimizer state is not exported.
 """
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise ConversionError(f"{message} (see --help)")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    p = OneLineErrorParser(
         prog="python -m metaseq.scripts.convert_to_hf",
         description="Write a Hugging Face OPT folder (OPTForCausalLM) from a metaseq checkpoint.",
         epilog=EPILOG,
@@ -65,8 +58,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.quiet:
                 package_logger.setLevel(logging.WARNING)
             convert_to_hf(args.input, args.output, overwrite=args.overwrite, trust_checkpoint=args.trust_checkpoint)
-        except (ConversionError, ReshardError, CheckpointLoadError, OSError) as e:
-            logger.error("%s", " ".join(str(e).split()))
+        except Exception as e:  # noqa: BLE001 -- any error: one line, no traceback
+            logger.error("%s", one_line_error(e))
             return 2
     return 0
 
