@@ -63,6 +63,8 @@ __all__ = [
 ALIGNMENT = 64  # torch aligns every record's data; mmap-loaded tensors need it
 CHUNK_BYTES = 64 << 20  # per copy call: progress and writeback granularity
 CAST_BYTES = 8 << 20  # elements read, cast and written at a time (a few such buffers are alive)
+WINDOW_BYTES = 16 << 20  # one read covering many small copies of one source
+MANY_COPIES = 64  # a storage of more copies than this (and at most WINDOW_BYTES) is gathered in memory
 SMALL_BYTES = 64  # storages this small are read with the pickle (values such as `step`)
 ZIP64_LIMIT = 0xFFFFFFFF  # sizes/offsets at or above this go into zip64 extra fields
 _ZIP64_MARK = 0xFFFFFFFF  # what the classic field then says
@@ -450,19 +452,34 @@ def from_torch(obj: Any) -> tuple[Any, list[str]]:
 
 
 def read_storage(storage: Storage) -> bytearray:
-    """A storage's bytes in memory: its copies read (and cast), zeros elsewhere."""
+    """A storage's bytes in memory: its copies read (and cast), zeros elsewhere.
+
+    Each source is read in windows of up to WINDOW_BYTES that cover many copies at once
+    (a model-parallel cut takes one copy per row), so reads are few whatever the copies.
+    """
     out = bytearray(storage.nbytes)
     view = memoryview(out)
+    by_source: dict[Any, list[Copy]] = {}
     for copy in storage.copies:
-        end = copy.dst_offset + copy.numel * storage.dtype.itemsize
-        if copy.src_dtype == storage.dtype and isinstance(copy.source, str):
-            with open(copy.source, "rb") as f:  # straight into the buffer: no second copy in memory
-                if os.preadv(f.fileno(), [view[copy.dst_offset : end]], copy.src_offset) != end - copy.dst_offset:
-                    raise OSError(errno.EIO, f"{copy.source} ended early (changed while reading?)")
-            continue
-        data = read_at(copy.source, copy.src_offset, copy.numel * copy.src_dtype.itemsize)
-        view[copy.dst_offset : end] = data if copy.src_dtype == storage.dtype else _cast(data, copy.src_dtype, storage.dtype)
+        by_source.setdefault(id(copy.source), []).append(copy)
+    for copies in by_source.values():
+        copies.sort(key=lambda c: c.src_offset)
+        first = 0
+        while first < len(copies):
+            lo, last, hi = copies[first].src_offset, first, 0
+            while last < len(copies) and (last == first or _end(copies[last]) - lo <= WINDOW_BYTES):
+                hi, last = max(hi, _end(copies[last])), last + 1
+            data = memoryview(read_at(copies[first].source, lo, hi - lo))
+            for copy in copies[first:last]:
+                part = data[copy.src_offset - lo : _end(copy) - lo]
+                dst = view[copy.dst_offset : copy.dst_offset + copy.numel * storage.dtype.itemsize]
+                dst[:] = part if copy.src_dtype == storage.dtype else _cast(part, copy.src_dtype, storage.dtype)
+            first = last
     return out
+
+
+def _end(copy: Copy) -> int:
+    return copy.src_offset + copy.numel * copy.src_dtype.itemsize
 
 
 def _cast(data: bytes | memoryview, src: DType, dst: DType) -> bytes:
@@ -753,6 +770,9 @@ def write_checkpoint(fd: int, obj: Any, *, archive: str = "archive", crc32: bool
             pwrite_all(fd, entry.data, entry.data_offset)
             continue
         storage = entry.storage
+        if len(storage.copies) > MANY_COPIES and storage.nbytes <= WINDOW_BYTES:  # e.g. rows of a column cut
+            pwrite_all(fd, read_storage(storage), entry.data_offset, report)
+            continue
         spans = ((c.dst_offset, c.numel * storage.dtype.itemsize) for c in storage.copies)
         for start, nbytes in gaps(spans, storage.nbytes):  # padding
             _write_zeros(fd, entry.data_offset + start, nbytes)

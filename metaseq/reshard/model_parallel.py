@@ -17,7 +17,7 @@ from metaseq.errors import ReshardError
 from metaseq.models.partition import Rule, rule_for
 from metaseq.reshard.layout import FlatParam, Mirror, ModelLayout
 from metaseq.reshard.optim import OptimLayout, StateEntry
-from metaseq.reshard.ranges import Span, join_spans, sub_spans
+from metaseq.reshard.ranges import Span, SpanIndex, join_spans, sub_spans
 from metaseq.torchzip import DType, Size, read_at
 
 __all__ = ["check_parts_fit", "cut_model_parts", "global_shapes", "shift_inputs"]
@@ -131,6 +131,7 @@ class _Cutter:
 
     def spans(self, k: int, part_spans: Sequence[Sequence[Span]]) -> tuple[Span, ...]:
         """Output flat parameter k's elements: each of its parameters' pieces of the input parts, in order."""
+        indexes = [SpanIndex(s) for s in part_spans]
         out: list[Span] = []
         for j, name in enumerate(self.parts[0].flat_params[k].names):
             starts = [p.flat_params[k].ranges()[j][0] for p in self.parts]
@@ -142,7 +143,7 @@ class _Cutter:
                 out += sub_spans(part_spans[0], starts[0], starts[0] + local)
                 continue
             for p, offset, length in _pieces(self.shapes[name], rule, len(self.parts), self.num_parts, self.part):
-                out += sub_spans(part_spans[p], starts[p] + offset, starts[p] + offset + length)
+                out += indexes[p].slice(starts[p] + offset, starts[p] + offset + length)
         return join_spans(out)
 
     def entry(self, k: int, entries: Sequence[StateEntry]) -> StateEntry:

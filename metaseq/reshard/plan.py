@@ -127,7 +127,8 @@ def plan_model_parallel(options: ReshardOptions) -> Plan:
     except UserError as e:
         raise ReshardError(str(e)) from None
     paths = [path for group in groups for path in group]
-    logger.info("found %d model part(s) x %d file(s) matching %r", len(groups), len(groups[0]), options.input_glob_pattern)
+    logger.info("found %d model part(s) x %d file(s) matching %r", len(groups), len(groups[0]),
+                options.input_glob_pattern)
     inputs = read_inputs(paths, trust=options.trust_checkpoint)
     structures = [i.structure for i in inputs]
     _check_declared_parts(structures[0], groups)
@@ -137,19 +138,15 @@ def plan_model_parallel(options: ReshardOptions) -> Plan:
         parts.append(shift_inputs(source.model, source.optim, first))
         first += len(group)
     num_parts, num_shards = options.num_output_parts, options.num_output_shards
-    check_parts_fit(global_shapes([model for model, _ in parts]), num_parts, _cfg_model(structures[0], "decoder_attention_heads"))
+    heads = _cfg_model(structures[0], "decoder_attention_heads")
+    check_parts_fit(global_shapes([model for model, _ in parts]), num_parts, heads)
     names = _part_names(options, num_parts, paths)
     files = []
     for q in range(num_parts):
         source = Source(*cut_model_parts([m for m, _ in parts], [o for _, o in parts], num_parts, q, structures))
-        files += [OutFile(names[q][m], m, tuple(output_tensors(source, options, m)), q, source) for m in range(num_shards)]
-    plan = Plan(options, tuple(inputs), files[0].source, tuple(files))
-    for out in files:
-        for tensor in out.tensors:
-            for run in tensor.runs:
-                _check_source(plan, run)
-    assemble_output(plan, files[0])
-    return plan
+        files += [OutFile(names[q][m], m, tuple(output_tensors(source, options, m)), q, source)
+                  for m in range(num_shards)]
+    return _checked(Plan(options, tuple(inputs), files[0].source, tuple(files)))
 
 
 def _check_declared_parts(structure: Mapping[str, Any], groups: Sequence[Sequence[str]]) -> None:
@@ -271,22 +268,21 @@ def plan_structures(inputs: Sequence[InputFile], options: ReshardOptions, output
     if source.optim is not None:
         check_per_rank_state(source.optim, source.model, options.num_output_shards, options.unflatten_weights)
     files = tuple(OutFile(path, r, tuple(output_tensors(source, options, r))) for r, path in enumerate(outputs))
-    plan = Plan(options, tuple(inputs), source, files)
-    for out in files:
-        for tensor in out.tensors:
-            for run in tensor.runs:
-                _check_source(plan, run)
-    if files:
-        assemble_output(plan, files[0])  # carried values that cannot be written fail now, not halfway
+    return _checked(Plan(options, tuple(inputs), source, files))
+
+
+def _checked(plan: Plan) -> Plan:
+    """The plan, once every run reads a tensor of its own and the first output assembles (carried
+    values that cannot be written fail now, not halfway)."""
+    read = {(run.input, run.path) for out in plan.outputs for tensor in out.tensors for run in tensor.runs}
+    for index, path in read:
+        src = _resolve(plan.inputs[index].structure, path)
+        if not is_tensor(src) or not src.is_contiguous():
+            raise ReshardError(f"{plan.inputs[index].path}: {'.'.join(map(str, path))} is a view of another "
+                               "tensor's storage, not a tensor of its own; such files cannot be resharded")
+    if plan.outputs:
+        assemble_output(plan, plan.outputs[0])
     return plan
-
-
-def _check_source(plan: Plan, run: Run) -> None:
-    src = _resolve(plan.inputs[run.input].structure, run.path)
-    if not is_tensor(src) or not src.is_contiguous():
-        name = ".".join(map(str, run.path))
-        raise ReshardError(f"{plan.inputs[run.input].path}: {name} is a view of another tensor's storage, "
-                           "not a tensor of its own; such files cannot be resharded")
 
 
 def analyze_inputs(structures: Sequence[Mapping[str, Any]], labels: Sequence[str], options: ReshardOptions) -> Source:

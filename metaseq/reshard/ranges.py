@@ -6,11 +6,13 @@ needs is a list of `Run`s, each copied as one block of bytes. Nothing here does 
 """
 from __future__ import annotations
 
+import bisect
+import itertools
 from typing import Any, NamedTuple, Sequence
 
 from metaseq.torchzip import DType, Size
 
-__all__ = ["OutTensor", "Run", "Span", "join_spans", "plan_range", "shard_range", "sub_spans"]
+__all__ = ["OutTensor", "Run", "Span", "SpanIndex", "join_spans", "plan_range", "shard_range", "sub_spans"]
 
 
 class Span(NamedTuple):
@@ -50,21 +52,43 @@ def shard_range(numel: int, world_size: int, rank: int) -> tuple[int, int, int]:
 
 def plan_range(spans: Sequence[Span], start: int, end: int, offset: int = 0) -> tuple[Run, ...]:
     """Runs that copy elements [start, end) of the spans laid end to end, to output elements from `offset`."""
+    starts = list(itertools.accumulate((s.length for s in spans), initial=0))
+    assert start >= end or starts[-1] >= end, f"range [{start}, {end}) beyond the {starts[-1]} source elements"
     runs = []
-    span_start = 0
-    for span in spans:
-        span_end = span_start + span.length
-        lo, hi = max(start, span_start), min(end, span_end)
+    i = max(0, bisect.bisect_right(starts, start) - 1)
+    while i < len(spans) and starts[i] < end:
+        span = spans[i]
+        lo, hi = max(start, starts[i]), min(end, starts[i + 1])
         if lo < hi:
-            runs.append(Run(span.input, span.path, span.start + lo - span_start, offset + lo - start, hi - lo))
-        span_start = span_end
-    assert start >= end or span_start >= end, f"range [{start}, {end}) beyond the {span_start} source elements"
+            runs.append(Run(span.input, span.path, span.start + lo - starts[i], offset + lo - start, hi - lo))
+        i += 1
     return tuple(runs)
 
 
 def sub_spans(spans: Sequence[Span], start: int, end: int) -> list[Span]:
     """The spans of elements [start, end) of `spans` laid end to end."""
-    return [Span(r.input, r.path, r.start, r.length) for r in plan_range(spans, start, end)]
+    return SpanIndex(spans).slice(start, end)
+
+
+class SpanIndex:
+    """Spans laid end to end, sliced many times (a model-parallel cut takes one slice per row)."""
+
+    def __init__(self, spans: Sequence[Span]) -> None:
+        self.spans = list(spans)
+        self.starts = list(itertools.accumulate((s.length for s in self.spans), initial=0))
+
+    def slice(self, start: int, end: int) -> list[Span]:
+        """The spans of elements [start, end)."""
+        out = []
+        i = bisect.bisect_right(self.starts, start) - 1
+        while start < end:
+            span, first = self.spans[i], self.starts[i]
+            take = min(end, first + span.length) - start
+            if take > 0:
+                out.append(span._replace(start=span.start + start - first, length=take))
+                start += take
+            i += 1
+        return out
 
 
 def join_spans(spans: Sequence[Span]) -> tuple[Span, ...]:
