@@ -108,7 +108,8 @@ def parse_scenarios(text: str) -> list[Scenario]:
                             int(match[3]) if mp else None)
         if scenario.unflatten and scenario.outputs != 1:
             raise ValueError(
-                f"--scenarios {text!r}: {item!r}: an unflattened output is one file; use {scenario.inputs}-1u"
+                f"--scenarios {text!r}: {item!r}: an unflattened output is one file per part; use "
+                f"{dataclasses.replace(scenario, outputs=1).name}"
             )
         scenarios.append(scenario)
     if not scenarios:

@@ -117,8 +117,6 @@ def _dtype(tensors: Mapping[str, torch.Tensor]) -> torch.dtype:
 def write_hf_folder(output_dir: str | os.PathLike, config: ModelConfig, tensors: Mapping[str, torch.Tensor], *,
                     overwrite: bool = False, with_tokenizer: bool = True) -> Path:
     """config.json, generation_config.json, model.safetensors (+ the byte tokenizer's files), atomically."""
-    from safetensors.torch import save_file
-
     files = {
         "config.json": _json(hf_config(config, _dtype(tensors))),
         "generation_config.json": _json(hf_generation_config(config)),
@@ -128,8 +126,33 @@ def write_hf_folder(output_dir: str | os.PathLike, config: ModelConfig, tensors:
     with atomic_directory(output_dir, overwrite=overwrite) as tmp:
         for name, text in files.items():
             (tmp / name).write_text(text, encoding="utf-8")
-        save_file(dict(tensors), str(tmp / SAFETENSORS_NAME), metadata={"format": "pt"})
+        write_safetensors(tmp / SAFETENSORS_NAME, tensors, {"format": "pt"})
     return Path(output_dir)
+
+
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+                       torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """The safetensors format written tensor by tensor (`safetensors.safe_open` reads it): an 8-byte
+    header length, the JSON header padded to 8 bytes, then each tensor's bytes in order. Tensors
+    mapped from disk are copied a chunk at a time, so memory stays small whatever the model."""
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little") + text)
+        for tensor in tensors.values():
+            flat = tensor.contiguous().reshape(-1).view(torch.uint8) if tensor.numel() else None
+            for start in range(0, 0 if flat is None else flat.numel(), 64 << 20):
+                f.write(flat[start : start + (64 << 20)].numpy().tobytes())
 
 
 def _json(obj: Any) -> str:
