@@ -139,6 +139,8 @@ def load_inference_checkpoint(path: str, *, trust: bool = False) -> dict[str, An
 def _model_parts_pattern(path: str) -> str | None:
     """A glob of several model parts' files (`{j}` for the part, or a glob matching several), else None."""
     pattern = path.replace("{j}", "*")
+    if _GLOB_CHARS.search(path) is None and not os.path.isfile(path) and "{j}" not in path:
+        pattern = shard_glob(path, "*")  # a stem such as DIR/checkpoint_last.pt: every part's shards
     parts = {m.group(1) for p in glob.glob(pattern) if (m := re.search(r"model_part-(\d+)", os.path.basename(p)))}
     return pattern if "{j}" in path or len(parts) > 1 else None
 

@@ -258,9 +258,23 @@ def test_inference_merges_consolidated_parts(mp_runs, tmp_path):
                          "--output", str(tmp_path / "reshard-model_part-{j}.pt"), "--unflatten-weights",
                          "--skip-optimizer-state", "--quiet"]) == 0
     merged = load_inference_checkpoint(str(tmp_path / "reshard-model_part-*.pt"))
+    from_shards = load_inference_checkpoint(str(save_dir / "checkpoint_last.pt"))  # a stem: every part's shards
     _reshard(save_dir, str(tmp_path / "one" / "reshard-model_part-{j}.pt"), "--num-output-parts", "1",
              "--unflatten-weights", "True", "--skip-optimizer-state", "True")
     one = load_checkpoint(tmp_path / "one" / "reshard-model_part-0.pt")
     assert merged["model"].keys() == one["model"].keys()
     for name, tensor in one["model"].items():
         assert torch.equal(merged["model"][name], tensor), name
+        assert torch.equal(from_shards["model"][name], tensor), name
+
+
+def test_dry_run_and_verify_of_a_model_parallel_plan(tmp_path, capsys):
+    _write_parts(tmp_path, 2, 2)
+    argv = ["--input", str(tmp_path / "*.pt"), "--output", str(tmp_path / "out" / OUT), "--num-output-parts", "1",
+            "--num-output-shards", "3"]
+    assert main([*argv, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "4 file(s) of all model parts -> 1 part(s) x 3 flat shard(s)" in out and "output part 0 shard 2" in out
+    assert not (tmp_path / "out").exists()
+    assert main([*argv, "--verify"]) == 0
+    assert "verified 3 output(s): 9 parameters, 2 buffers, 16 optimizer tensors bit-identical" in capsys.readouterr().err

@@ -459,7 +459,10 @@ def summarize_plan(plan: Plan) -> str:
     src = "1 unflattened input" if plan.source.model.unflattened else f"{len(plan.inputs)} shard(s)"
     optim = "dropped" if opts.skip_optimizer_state else ("kept" if plan.source.optim else "none")
     dtype = opts.dtype.name if opts.dtype else "unchanged"
-    return f"{src} -> {opts.num_output_shards} {form} shard(s); optimizer state {optim}; dtype {dtype}"
+    out = f"{opts.num_output_shards} {form} shard(s)"
+    if opts.num_output_parts is not None:
+        src, out = f"{len(plan.inputs)} file(s) of all model parts", f"{opts.num_output_parts} part(s) x {out}"
+    return f"{src} -> {out}; optimizer state {optim}; dtype {dtype}"
 
 
 def describe_plan(plan: Plan) -> list[str]:
@@ -467,7 +470,8 @@ def describe_plan(plan: Plan) -> list[str]:
     lines = [f"inputs ({len(plan.inputs)}):"] + [f"  {i.path}" for i in plan.inputs]
     lines.append(f"plan: {summarize_plan(plan)}")
     for out in plan.outputs:
-        lines.append(f"output {out.rank}: {out.path} ({out.nbytes} bytes of tensors)")
+        name = f"part {out.part} shard {out.rank}" if plan.options.num_output_parts is not None else out.rank
+        lines.append(f"output {name}: {out.path} ({out.nbytes} bytes of tensors)")
         lines += [f"  reads {plan.inputs[r].path}: {text}" for r, text in _reads(out.tensors).items()]
     return lines
 
