@@ -158,3 +158,12 @@ def test_interactive_cli_serves_consolidated_real_files(real, tmp_path, capsys, 
         assert interactive_cli.main(["--path", str(path), "--max-new-tokens", "6"]) == 0, capsys.readouterr().err
         answers.append(capsys.readouterr().out)
     assert answers[0] == answers[1] and answers[0].strip()
+
+
+def test_drop_metaseq_req_works_on_real_shards(real, tmp_path):
+    """Upstream's --drop-metaseq-req exists for the rank-0 data loader object: it needs no loading here either."""
+    _reshard(str(real["plain"] / SHARDS), tmp_path / "s{i}.pt", "--num-output-shards", "2", "--drop-metaseq-req")
+    for rank in range(2):
+        got = load_real(tmp_path / f"s{rank}.pt")
+        assert got["extra_state"]["train_iterator"] is None
+        assert isinstance(got["cfg"]["model"], type(load_real(sorted(real["plain"].glob(SHARDS))[0])["cfg"]["model"]))
