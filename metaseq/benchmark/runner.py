@@ -10,7 +10,7 @@ every contender reads from disk. Outputs are deleted after each run. With
 `repeats` > 1 every contender runs that many times: the fastest time and the
 highest memory count.
 
-Targets (issue 6):
+Targets (docs/performance.md):
 - memory, flat N -> M: peak anonymous RSS <= largest output shard + largest flat
   parameter + 256 MiB; unflattened N -> 1: <= output size + 256 MiB;
 - speed, flat scenarios with at most `MANY_FILES` shards on each side:

@@ -1,7 +1,7 @@
 """Synthetic raw FSDP checkpoints of a requested size, written straight in the on-disk format.
 
 The structure is what `metaseq.cli.train` writes for the OPT-style LM (see
-/work/shared/FORMAT.md): a root FSDP instance holding the embeddings and the
+docs/checkpoint_format.md): a root FSDP instance holding the embeddings and the
 final layer norm, one nested instance per decoder layer, the output projection
 tied to the token embedding (recorded in the root's `shared_param_info`), a
 `decoder.version` buffer and Adam state sharded like the parameters. Names and
@@ -10,7 +10,7 @@ Widths are chosen so that the layers' flat parameters do not divide evenly and
 fairscale pads them.
 
 With `real_structured`, the files take the structure of upstream metaseq's real OPT shards
-where it matters for speed (see /work/shared/FORMAT.md, "What real metaseq shards carry"):
+where it matters for speed (see docs/checkpoint_format.md, "Checkpoints of upstream metaseq runs"):
 `cfg` from `upstream_stubs.upstream_cfg` (`cfg["model"]` and `cfg["criterion"]` are
 `argparse.Namespace`), int Adam steps and a float `loss_scale`, two `optimizer_history`
 entries, `criterion` None, `task_state` {}, and a streaming `train_iterator` whose
