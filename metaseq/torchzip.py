@@ -470,10 +470,11 @@ def read_storage(storage: Storage) -> bytearray:
             while last < len(copies) and (last == first or _end(copies[last]) - lo <= WINDOW_BYTES):
                 hi, last = max(hi, _end(copies[last])), last + 1
             data = memoryview(read_at(copies[first].source, lo, hi - lo))
+            size = storage.dtype.itemsize
             for copy in copies[first:last]:
-                part = data[copy.src_offset - lo : _end(copy) - lo]
-                dst = view[copy.dst_offset : copy.dst_offset + copy.numel * storage.dtype.itemsize]
-                dst[:] = part if copy.src_dtype == storage.dtype else _cast(part, copy.src_dtype, storage.dtype)
+                part = data[copy.src_offset - lo : copy.src_offset - lo + copy.numel * copy.src_dtype.itemsize]
+                view[copy.dst_offset : copy.dst_offset + copy.numel * size] = (
+                    part if copy.src_dtype == storage.dtype else _cast(part, copy.src_dtype, storage.dtype))
             first = last
     return out
 

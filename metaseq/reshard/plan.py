@@ -356,10 +356,15 @@ def _resolve(obj: Any, path: Sequence[Any]) -> Any:
 def tensor_ref(tensor: OutTensor, inputs: Sequence[InputFile]) -> TensorRef:
     """A new tensor whose storage is filled from the runs' bytes in the inputs (cast where dtypes differ)."""
     out = TensorRef.empty(tensor.shape, tensor.dtype)
+    found: dict[tuple, tuple] = {}  # (input, path) -> (source, byte offset of element 0, itemsize, dtype)
+    itemsize = tensor.dtype.itemsize
     for run in tensor.runs:
-        src = _resolve(inputs[run.input].structure, run.path)  # contiguous: checked while planning
-        source, offset = src.storage.locate(src.storage_offset + run.start)
-        out.storage.copies.append(Copy(source, offset, run.offset * tensor.dtype.itemsize, run.length, src.dtype))
+        if (run.input, run.path) not in found:
+            src = _resolve(inputs[run.input].structure, run.path)  # contiguous: checked while planning
+            source, offset = src.storage.locate(src.storage_offset)
+            found[run.input, run.path] = (source, offset, src.dtype.itemsize, src.dtype)
+        source, offset, size, dtype = found[run.input, run.path]
+        out.storage.copies.append(Copy(source, offset + run.start * size, run.offset * itemsize, run.length, dtype))
     return out
 
 

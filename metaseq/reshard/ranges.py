@@ -85,7 +85,7 @@ class SpanIndex:
             span, first = self.spans[i], self.starts[i]
             take = min(end, first + span.length) - start
             if take > 0:
-                out.append(span._replace(start=span.start + start - first, length=take))
+                out.append(Span(span.input, span.path, span.start + start - first, take))
                 start += take
             i += 1
         return out
