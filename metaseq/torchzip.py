@@ -126,7 +126,8 @@ class Copy(NamedTuple):
     """`numel` elements of `src_dtype` at byte `src_offset` of `source`, into byte `dst_offset` of a storage.
 
     `source` is a file path or the bytes themselves; elements are cast to the storage's
-    dtype where it differs (with torch, chunk by chunk).
+    dtype where it differs (with torch, chunk by chunk). With `count` > 1, `count` such
+    blocks `src_stride` bytes apart in the source go end to end into the storage.
     """
 
     source: str | bytes | memoryview
@@ -134,6 +135,15 @@ class Copy(NamedTuple):
     dst_offset: int
     numel: int
     src_dtype: DType
+    count: int = 1
+    src_stride: int = 0
+
+    def rows(self, itemsize: int) -> list[Copy]:
+        """The copy as `count` plain copies, into a storage of elements of `itemsize` bytes."""
+        if self.count == 1:
+            return [self]
+        return [self._replace(src_offset=self.src_offset + r * self.src_stride, count=1, src_stride=0,
+                              dst_offset=self.dst_offset + r * self.numel * itemsize) for r in range(self.count)]
 
 
 @dataclass(eq=False)
@@ -146,7 +156,7 @@ class Storage:
 
     def locate(self, element: int) -> tuple[str | bytes | memoryview, int]:
         """(source, byte offset) of element `element` of a storage read from a file or memory."""
-        source, offset, _, _, _ = self.copies[0]
+        source, offset = self.copies[0].source, self.copies[0].src_offset
         return source, offset + element * self.dtype.itemsize
 
 
@@ -472,15 +482,27 @@ def read_storage(storage: Storage) -> bytearray:
             data = memoryview(read_at(copies[first].source, lo, hi - lo))
             size = storage.dtype.itemsize
             for copy in copies[first:last]:
-                part = data[copy.src_offset - lo : copy.src_offset - lo + copy.numel * copy.src_dtype.itemsize]
-                view[copy.dst_offset : copy.dst_offset + copy.numel * size] = (
+                part = _rows(data, copy, copy.src_offset - lo)
+                view[copy.dst_offset : copy.dst_offset + copy.numel * copy.count * size] = (
                     part if copy.src_dtype == storage.dtype else _cast(part, copy.src_dtype, storage.dtype))
             first = last
     return out
 
 
 def _end(copy: Copy) -> int:
-    return copy.src_offset + copy.numel * copy.src_dtype.itemsize
+    return copy.src_offset + (copy.count - 1) * copy.src_stride + copy.numel * copy.src_dtype.itemsize
+
+
+def _rows(data: memoryview, copy: Copy, start: int) -> Any:
+    """A copy's bytes from `data` (its source from byte `start` on), its rows put end to end."""
+    size = copy.numel * copy.src_dtype.itemsize
+    if copy.count == 1:
+        return data[start : start + size]
+    import numpy as np
+
+    rows = np.lib.stride_tricks.as_strided(np.frombuffer(data, np.uint8, offset=start), (copy.count, size),
+                                           (copy.src_stride, 1), writeable=False)
+    return memoryview(np.ascontiguousarray(rows)).cast("B")
 
 
 def _cast(data: bytes | memoryview, src: DType, dst: DType) -> bytes:
@@ -771,13 +793,14 @@ def write_checkpoint(fd: int, obj: Any, *, archive: str = "archive", crc32: bool
             pwrite_all(fd, entry.data, entry.data_offset)
             continue
         storage = entry.storage
-        if len(storage.copies) > MANY_COPIES and storage.nbytes <= WINDOW_BYTES:  # e.g. rows of a column cut
+        rows = any(c.count > 1 for c in storage.copies)  # rows of a model-parallel cut on the second dim
+        if (rows or len(storage.copies) > MANY_COPIES) and storage.nbytes <= WINDOW_BYTES:
             pwrite_all(fd, read_storage(storage), entry.data_offset, report)
             continue
-        spans = ((c.dst_offset, c.numel * storage.dtype.itemsize) for c in storage.copies)
+        spans = ((c.dst_offset, c.numel * c.count * storage.dtype.itemsize) for c in storage.copies)
         for start, nbytes in gaps(spans, storage.nbytes):  # padding
             _write_zeros(fd, entry.data_offset + start, nbytes)
-        for copy in storage.copies:
+        for copy in (row for c in storage.copies for row in c.rows(storage.dtype.itemsize)):
             if isinstance(copy.source, str):
                 by_source.setdefault(copy.source, []).append((copy.src_offset, entry.data_offset, copy, storage.dtype))
             else:

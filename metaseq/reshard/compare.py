@@ -64,7 +64,7 @@ class TensorSet:
             return out
         flat = out.float().reshape(-1)
         for run in tensor.runs:
-            flat[run.offset : run.offset + run.length] *= factors[run.input]
+            flat[run.offset : run.offset + run.length * run.count] *= factors[run.input]
         return flat.view(out.shape)
 
 

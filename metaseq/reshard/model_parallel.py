@@ -142,8 +142,9 @@ class _Cutter:
                                            self.parts[0].dtypes[k])
                 out += sub_spans(part_spans[0], starts[0], starts[0] + local)
                 continue
-            for p, offset, length in _pieces(self.shapes[name], rule, len(self.parts), self.num_parts, self.part):
-                out += indexes[p].slice(starts[p] + offset, starts[p] + offset + length)
+            for p, offset, length, count, stride in _pieces(self.shapes[name], rule, len(self.parts),
+                                                            self.num_parts, self.part):
+                out += indexes[p].slice_rows(starts[p] + offset, length, count, stride)
         return join_spans(out)
 
     def entry(self, k: int, entries: Sequence[StateEntry]) -> StateEntry:
@@ -173,8 +174,9 @@ class _Cutter:
                 return
 
 
-def _pieces(shape: Size, rule: Rule, in_parts: int, out_parts: int, part: int) -> list[tuple[int, int, int]]:
-    """(input part, element offset in its slice, length) pieces of output part `part`'s slice, in its order.
+def _pieces(shape: Size, rule: Rule, in_parts: int, out_parts: int, part: int) -> list[tuple[int, int, int, int, int]]:
+    """(input part, element offset in its slice, length, count, stride) pieces of output part `part`'s
+    slice, in its order: `count` rows of `length` elements, `stride` apart in the input part's slice.
 
     Along `rule.dim` the global tensor holds `rule.blocks` equal blocks; input part p holds
     the p-th of `in_parts` equal slices of each block, output part q the q-th of `out_parts`.
@@ -183,7 +185,10 @@ def _pieces(shape: Size, rule: Rule, in_parts: int, out_parts: int, part: int) -
     inner = math.prod(shape[rule.dim + 1 :])
     block = shape[rule.dim] // rule.blocks
     in_len, out_len = block // in_parts, block // out_parts
-    pieces: list[tuple[int, int, int]] = []
+    p, first = divmod(part * out_len, in_len)
+    if rule.blocks == 1 and first + out_len <= in_len:  # every row from one input part: one repeating piece
+        return [(p, first * inner, out_len * inner, outer, in_len * inner)]
+    pieces: list[tuple[int, int, int, int, int]] = []
     for o in range(outer):
         for b in range(rule.blocks):
             row, end = b * block + part * out_len, b * block + (part + 1) * out_len
@@ -194,9 +199,9 @@ def _pieces(shape: Size, rule: Rule, in_parts: int, out_parts: int, part: int) -
                 offset = (o * rule.blocks * in_len + local_row) * inner
                 last = pieces[-1] if pieces else None
                 if last is not None and last[0] == p and last[1] + last[2] == offset:
-                    pieces[-1] = (p, last[1], last[2] + (stop - row) * inner)
+                    pieces[-1] = (p, last[1], last[2] + (stop - row) * inner, 1, 0)
                 else:
-                    pieces.append((p, offset, (stop - row) * inner))
+                    pieces.append((p, offset, (stop - row) * inner, 1, 0))
                 row = stop
     return pieces
 

@@ -172,10 +172,10 @@ def _cfg_model(structure: Mapping[str, Any], field: str) -> Any:
 def _part_names(options: ReshardOptions, num_parts: int, inputs: Sequence[str]) -> list[list[str]]:
     """Output names per part: `{j}` the part, `{i}` the shard."""
     name = options.output_shard_name
-    if num_parts > 1 and PART not in name:
+    if num_parts > 1 and "model_part-{j}" not in name:
         raise ReshardError(
-            f"--num-output-parts={num_parts} but --output-shard-name {name!r} has no '{PART}'; add it where the "
-            "model part goes, e.g. 'out/checkpoint_last-model_part-{j}-shard{i}.pt'"
+            f"--num-output-parts={num_parts} but --output-shard-name {name!r} has no 'model_part-{PART}' (the model "
+            "part, as the tools read it back); e.g. 'out/checkpoint_last-model_part-{j}-shard{i}.pt'"
         )
     if re.search(r"\d\{j\}|\{j\}\d", name):
         raise ReshardError(f"--output-shard-name {name!r}: digits next to '{PART}' would make the model part "
@@ -364,7 +364,8 @@ def tensor_ref(tensor: OutTensor, inputs: Sequence[InputFile]) -> TensorRef:
             source, offset = src.storage.locate(src.storage_offset)
             found[run.input, run.path] = (source, offset, src.dtype.itemsize, src.dtype)
         source, offset, size, dtype = found[run.input, run.path]
-        out.storage.copies.append(Copy(source, offset + run.start * size, run.offset * itemsize, run.length, dtype))
+        out.storage.copies.append(Copy(source, offset + run.start * size, run.offset * itemsize, run.length, dtype,
+                                       run.count, run.stride * size))
     return out
 
 
@@ -488,8 +489,9 @@ def _reads(tensors: Sequence[OutTensor], limit: int = 4) -> dict[int, str]:
         for r in t.runs:
             if r.path[0] != "model":
                 continue
-            span = spans.setdefault(r.input, {}).setdefault(r.path[-1], [r.start, r.start + r.length])
-            span[0], span[1] = min(span[0], r.start), max(span[1], r.start + r.length)
+            last = r.start + (r.count - 1) * r.stride + r.length
+            span = spans.setdefault(r.input, {}).setdefault(r.path[-1], [r.start, last])
+            span[0], span[1] = min(span[0], r.start), max(span[1], last)
     out = {}
     for index in sorted(spans):
         items = [f"{key}[{lo}:{hi})" for key, (lo, hi) in spans[index].items()]
