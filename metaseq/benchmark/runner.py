@@ -195,7 +195,7 @@ def reshard_command(scenario: Scenario, input_glob: str, out_dir: Path) -> list[
     ]
     if scenario.out_parts is not None:
         cmd[2] = "metaseq.scripts.reshard_model_parallel"
-        cmd[6] = str(out_dir / "out-part{j}-shard{i}.pt")
+        cmd[6] = str(out_dir / "out-model_part-{j}-shard{i}.pt")
         cmd += ["--num-output-parts", str(scenario.out_parts)]
     return cmd + (["--unflatten-weights", "True"] if scenario.unflatten else []) + scenario.flags
 
