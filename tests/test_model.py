@@ -82,6 +82,13 @@ def test_negative_position_offset_is_refused():
         build_model(ModelConfig(**TINY, position_offset=-1))
 
 
+def test_a_sequence_longer_than_the_position_table_is_refused():
+    model = build_model(ModelConfig(**TINY), seed=0)
+    assert model(torch.zeros(1, 9, dtype=torch.long)).shape == (1, 9, model.cfg.vocab_size)
+    with pytest.raises(ValueError, match="sequence of 10 tokens is longer than the model's max_target_positions=9"):
+        model(torch.zeros(1, 10, dtype=torch.long))
+
+
 def test_fused_qkv_checkpoint_serves_and_equals_the_separate_model():
     """cfg["model"]["fused_qkv"] builds one qkv_proj ([q; k; v]); from one seed it is the separate model's function."""
     fused, separate = (build_model(ModelConfig(**TINY, fused_qkv=f), seed=5).eval() for f in (True, False))

@@ -154,11 +154,7 @@ class ModelParallelTransformerLanguageModel(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens (B, T) int64, the same on every part -> vocab-parallel logits (B, T, V/P)."""
-        if tokens.size(1) > self.cfg.max_target_positions:
-            raise ValueError(
-                f"sequence of {tokens.size(1)} tokens is longer than the model's "
-                f"max_target_positions={self.cfg.max_target_positions}"
-            )
+        self.cfg.check_sequence_length(tokens.size(1))
         return self.decoder(tokens)
 
 

@@ -87,6 +87,14 @@ class ModelConfig:
         if self.position_offset < 0:
             raise ValueError(f"position_offset={self.position_offset} must be >= 0 (OPT uses 2)")
 
+    def check_sequence_length(self, length: int) -> None:
+        """Refuse a forward pass over more tokens than the position table holds."""
+        if length > self.max_target_positions:
+            raise ValueError(
+                f"sequence of {length} tokens is longer than the model's "
+                f"max_target_positions={self.max_target_positions}"
+            )
+
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int) -> torch.Tensor:
     """q, k, v (B, T, C) holding `heads` heads side by side -> (B, T, C)."""
@@ -187,11 +195,7 @@ class TransformerLanguageModel(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens (B, T) int64 -> logits (B, T, V)."""
-        if tokens.size(1) > self.cfg.max_target_positions:
-            raise ValueError(
-                f"sequence of {tokens.size(1)} tokens is longer than the model's "
-                f"max_target_positions={self.cfg.max_target_positions}"
-            )
+        self.cfg.check_sequence_length(tokens.size(1))
         return self.decoder(tokens)
 
 
