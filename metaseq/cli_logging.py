@@ -10,11 +10,13 @@ import argparse
 import contextlib
 import logging
 import sys
-from typing import Iterator
+from typing import Callable, Iterator
 
 from metaseq.errors import UserError, one_line_error
 
-__all__ = ["OneLineErrorParser", "add_bool_flag", "cli_logging", "one_line_error", "parse_bool", "positive_int"]
+__all__ = [
+    "OneLineErrorParser", "add_bool_flag", "cli_logging", "one_line_error", "parse_bool", "positive_int", "run_cli",
+]
 
 TRUE_WORDS = {"true", "1", "yes", "y", "on"}
 FALSE_WORDS = {"false", "0", "no", "n", "off"}
@@ -43,6 +45,29 @@ def cli_logging(level: int = logging.INFO) -> Iterator[logging.Logger]:
         package_logger.removeHandler(handler)
         package_logger.setLevel(saved[0])
         package_logger.propagate = saved[1]
+
+
+def run_cli(
+    logger: logging.Logger,
+    parser: argparse.ArgumentParser,
+    argv: list[str] | None,
+    action: Callable[[argparse.Namespace], int | None],
+    *,
+    level: int = logging.INFO,
+) -> int:
+    """A CLI's `main()`: parse `argv`, run `action(args)` under `cli_logging(level)` (warnings
+    only when the parser has `--quiet` and it is given) and return its exit status (None: 0),
+    or 2 after reporting any error through `logger` as one line, without a traceback."""
+    with cli_logging(level) as package_logger:
+        try:
+            args = parser.parse_args(argv)
+            if getattr(args, "quiet", False):
+                package_logger.setLevel(logging.WARNING)
+            status = action(args)
+            return 0 if status is None else status
+        except Exception as err:  # noqa: BLE001 -- any error: one line, no traceback
+            logger.error("%s", one_line_error(err))
+            return 2
 
 
 def parse_bool(text: str) -> bool:

@@ -13,7 +13,7 @@ import glob
 import logging
 import sys
 
-from metaseq.cli_logging import OneLineErrorParser, cli_logging, one_line_error
+from metaseq.cli_logging import OneLineErrorParser, run_cli
 from metaseq.errors import ReshardError, UserError
 from metaseq.file_io import find_shards
 from metaseq.reshard.compare import compare_tensor_sets, describe_comparison, open_tensor_set
@@ -79,12 +79,8 @@ def _run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point: 0 the same, 1 different, 2 an error (one line on stderr)."""
-    with cli_logging(logging.WARNING):
-        try:
-            return _run(build_parser().parse_args(argv))
-        except Exception as err:  # noqa: BLE001 -- any error: one line, no traceback
-            logger.error("%s", one_line_error(err))
-            return 2
+    return run_cli(logger, build_parser(), argv, _run, level=logging.WARNING)
+
 
 if __name__ == "__main__":
     sys.exit(main())

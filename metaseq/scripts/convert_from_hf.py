@@ -9,7 +9,7 @@ import argparse
 import logging
 import sys
 
-from metaseq.cli_logging import OneLineErrorParser, cli_logging, one_line_error, parse_bool
+from metaseq.cli_logging import OneLineErrorParser, parse_bool, run_cli
 from metaseq.hf import convert_from_hf
 
 __all__ = ["build_parser", "main"]
@@ -53,18 +53,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _run(args: argparse.Namespace) -> None:
+    convert_from_hf(args.input, args.output_shard_name, num_output_shards=args.num_output_shards,
+                    unflatten_weights=args.unflatten_weights, overwrite=args.overwrite)
+
+
 def main(argv: list[str] | None = None) -> int:
-    with cli_logging(logging.INFO) as package_logger:
-        try:
-            args = build_parser().parse_args(argv)
-            if args.quiet:
-                package_logger.setLevel(logging.WARNING)
-            convert_from_hf(args.input, args.output_shard_name, num_output_shards=args.num_output_shards,
-                            unflatten_weights=args.unflatten_weights, overwrite=args.overwrite)
-        except Exception as e:  # noqa: BLE001 -- any error: one line, no traceback
-            logger.error("%s", one_line_error(e))
-            return 2
-    return 0
+    """CLI entry point; 0 on success, 2 on any error (one line on stderr)."""
+    return run_cli(logger, build_parser(), argv, _run)
 
 
 if __name__ == "__main__":

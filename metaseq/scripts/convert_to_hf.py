@@ -8,7 +8,7 @@ import argparse
 import logging
 import sys
 
-from metaseq.cli_logging import OneLineErrorParser, cli_logging, one_line_error
+from metaseq.cli_logging import OneLineErrorParser, run_cli
 from metaseq.hf import convert_to_hf
 
 __all__ = ["build_parser", "main"]
@@ -51,17 +51,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _run(args: argparse.Namespace) -> None:
+    convert_to_hf(args.input, args.output, overwrite=args.overwrite, trust_checkpoint=args.trust_checkpoint)
+
+
 def main(argv: list[str] | None = None) -> int:
-    with cli_logging(logging.INFO) as package_logger:
-        try:
-            args = build_parser().parse_args(argv)
-            if args.quiet:
-                package_logger.setLevel(logging.WARNING)
-            convert_to_hf(args.input, args.output, overwrite=args.overwrite, trust_checkpoint=args.trust_checkpoint)
-        except Exception as e:  # noqa: BLE001 -- any error: one line, no traceback
-            logger.error("%s", one_line_error(e))
-            return 2
-    return 0
+    """CLI entry point; 0 on success, 2 on any error (one line on stderr)."""
+    return run_cli(logger, build_parser(), argv, _run)
 
 
 if __name__ == "__main__":
