@@ -9,7 +9,7 @@ import argparse
 import logging
 import sys
 
-from metaseq.cli_logging import OneLineErrorParser, parse_bool, run_cli
+from metaseq.cli_logging import OneLineErrorParser, add_bool_flag, run_cli
 from metaseq.hf import convert_from_hf
 
 __all__ = ["build_parser", "main"]
@@ -46,8 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-shard-name", required=True, metavar="NAME",
                    help="output file name; with more than one shard it must contain {i}, the shard index")
     p.add_argument("--num-output-shards", type=int, default=1, metavar="M", help="FSDP world size to write for")
-    p.add_argument("--unflatten-weights", type=parse_bool, nargs="?", const=True, default=False, metavar="BOOL",
-                   help="write one consolidated file with parameter names (needs --num-output-shards 1)")
+    add_bool_flag(p, "unflatten-weights", "write one consolidated file with parameter names (needs --num-output-shards 1)")
     p.add_argument("--overwrite", action="store_true", help="replace existing output files")
     p.add_argument("-q", "--quiet", action="store_true", help="log warnings and errors only")
     return p
