@@ -83,13 +83,13 @@ def _which(size: int, heads: int | None = None) -> str:
     return "--num-output-parts " + ", ".join(map(str, fits))
 
 
-def cut_model_parts(parts: Sequence[ModelLayout], optims: Sequence[OptimLayout | None], num_parts: int,
-                    part: int, structures: Sequence[Any]) -> tuple[ModelLayout, OptimLayout | None]:
+def cut_model_parts(parts: Sequence[ModelLayout], optims: Sequence[OptimLayout | None], shapes: dict[str, Size],
+                    num_parts: int, part: int, structures: Sequence[Any]) -> tuple[ModelLayout, OptimLayout | None]:
     """Output part `part` of `num_parts`: its layout (local shapes, spans into the inputs) and optimizer state.
 
-    `structures` are the inputs' objects (spans index them), to compare replicated tensors.
+    `shapes` are the parts' `global_shapes`; `structures` the inputs' objects (spans index
+    them), to compare replicated tensors.
     """
-    shapes = global_shapes(parts)
     cut = _Cutter(parts, shapes, num_parts, part, structures)
     flat_params = tuple(cut.flat_param(k) for k in range(len(parts[0].flat_params)))
     model = dataclasses.replace(
@@ -133,8 +133,9 @@ class _Cutter:
         """Output flat parameter k's elements: each of its parameters' pieces of the input parts, in order."""
         indexes = [SpanIndex(s) for s in part_spans]
         out: list[Span] = []
+        part_ranges = [p.flat_params[k].ranges() for p in self.parts]
         for j, name in enumerate(self.parts[0].flat_params[k].names):
-            starts = [p.flat_params[k].ranges()[j][0] for p in self.parts]
+            starts = [ranges[j][0] for ranges in part_ranges]
             rule = rule_for(name)
             if rule is None:
                 local = self.parts[0].flat_params[k].numels[j]

@@ -139,11 +139,13 @@ def plan_model_parallel(options: ReshardOptions) -> Plan:
         first += len(group)
     num_parts, num_shards = options.num_output_parts, options.num_output_shards
     heads = _cfg_model(structures[0], "decoder_attention_heads")
-    check_parts_fit(global_shapes([model for model, _ in parts]), num_parts, heads)
+    shapes = global_shapes([model for model, _ in parts])
+    check_parts_fit(shapes, num_parts, heads)
     names = _part_names(options, num_parts, paths)
     files = []
     for q in range(num_parts):
-        source = Source(*cut_model_parts([m for m, _ in parts], [o for _, o in parts], num_parts, q, structures))
+        source = Source(*cut_model_parts([m for m, _ in parts], [o for _, o in parts], shapes, num_parts, q,
+                                         structures))
         files += [OutFile(names[q][m], m, tuple(output_tensors(source, options, m)), q, source)
                   for m in range(num_shards)]
     return _checked(Plan(options, tuple(inputs), files[0].source, tuple(files)))
