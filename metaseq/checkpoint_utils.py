@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from metaseq.distributed.fsdp import lazy_init_all
-from metaseq.file_io import atomic_torch_save, natural_sort_key, shard_file_name
+from metaseq.file_io import atomic_torch_save, checkpoint_prefix, natural_sort_key, shard_file_name, shard_glob
 
 __all__ = [
     "RestoreError",
@@ -26,7 +26,6 @@ __all__ = [
     "find_restore_files",
     "is_consolidated_file",
     "load_training_state",
-    "restore_prefix",
     "save_training_checkpoint",
 ]
 
@@ -85,12 +84,6 @@ def save_training_checkpoint(
     return paths
 
 
-def restore_prefix(restore_file: str) -> str:
-    """`DIR/checkpoint_last.pt` -> `DIR/checkpoint_last` (also accepts a shard file's name)."""
-    prefix = re.sub(r"\.pt$", "", restore_file)
-    return re.sub(r"-model_part-\d+-shard\d+$", "", prefix)
-
-
 def is_consolidated_file(restore_file: str) -> bool:
     """A single consolidated file (e.g. `reshard-model_part-0.pt`) rather than a shard stem."""
     return os.path.isfile(restore_file) and not re.search(r"-shard\d+\.pt$", restore_file)
@@ -107,10 +100,10 @@ def find_restore_files(restore_file: str, world_size: int, model_parallel_size: 
     if is_consolidated_file(restore_file):
         parts = _consolidated_parts(restore_file, model_parallel_size)
         return [parts[r % model_parallel_size] for r in range(world_size)]
-    prefix = restore_prefix(restore_file)
+    prefix = checkpoint_prefix(restore_file)
     by_part = _shards_by_part(prefix)
     if not by_part:
-        pattern = f"{glob.escape(prefix)}-model_part-0-shard*.pt"
+        pattern = shard_glob(prefix)
         raise RestoreError(f"--restore-file {restore_file}: no shard files match {pattern}")
     _check_part_count(restore_file, sorted(by_part), model_parallel_size)
     for part, files in sorted(by_part.items()):
@@ -121,7 +114,7 @@ def find_restore_files(restore_file: str, world_size: int, model_parallel_size: 
 def _shards_by_part(prefix: str) -> dict[int, list[str]]:
     """{model part: its shard files in natural order} for `PREFIX-model_part-*-shard*.pt`."""
     by_part: dict[int, list[str]] = {}
-    for path in glob.glob(f"{glob.escape(prefix)}-model_part-*-shard*.pt"):
+    for path in glob.glob(shard_glob(prefix, "*")):
         match = _PART_SHARD.search(path)
         if match and path[: match.start()] == prefix:
             by_part.setdefault(int(match.group(1)), []).append(path)
@@ -167,7 +160,7 @@ def _check_shards(restore_file: str, prefix: str, part: int, files: list[str], w
     """Part `part` must have exactly one shard file per data-parallel rank, named shard0..shard{D-1}."""
     dp_size = world_size // model_parallel_size
     if len(files) != dp_size and model_parallel_size == 1:
-        pattern = f"{glob.escape(prefix)}-model_part-0-shard*.pt"
+        pattern = shard_glob(prefix)
         raise RestoreError(
             f"--restore-file {restore_file}: found {len(files)} shard files but --world-size={world_size}; "
             f"reshard first: python -m metaseq.scripts.reshard_fsdp --input-glob-pattern '{pattern}' "
@@ -175,7 +168,7 @@ def _check_shards(restore_file: str, prefix: str, part: int, files: list[str], w
             f"--num-output-shards {world_size}"
         )
     if len(files) != dp_size:
-        pattern = f"{glob.escape(prefix)}-model_part-{{j}}-shard*.pt"
+        pattern = shard_glob(prefix, "{j}")
         raise RestoreError(
             f"--restore-file {restore_file}: found {len(files)} shard files of model part {part} but the "
             f"data-parallel size is {dp_size} (--world-size={world_size} / --model-parallel-size={model_parallel_size}); "

@@ -24,6 +24,7 @@ __all__ = [
     "atomic_output",
     "atomic_torch_save",
     "check_checkpoint_crc",
+    "checkpoint_prefix",
     "find_model_parts",
     "find_shards",
     "load_checkpoint",
@@ -49,10 +50,15 @@ def shard_file_name(prefix: str, model_part: int, shard: int) -> str:
     return f"{prefix}-model_part-{model_part}-shard{shard}.pt"
 
 
-def shard_glob(stem: str, model_part: int | str = 0) -> str:
+def checkpoint_prefix(stem: str | os.PathLike) -> str:
+    """`DIR/checkpoint_last.pt` (or one of its shard files' names) -> `DIR/checkpoint_last`."""
+    prefix = re.sub(r"\.pt$", "", str(stem))
+    return re.sub(r"-model_part-\d+-shard\d+$", "", prefix)
+
+
+def shard_glob(stem: str | os.PathLike, model_part: int | str = 0) -> str:
     """`DIR/checkpoint_last.pt` (or one of its shard files) -> `DIR/checkpoint_last-model_part-0-shard*.pt`."""
-    prefix = re.sub(r"(-model_part-\d+-shard\d+)?\.pt$", "", stem)
-    return f"{glob.escape(prefix)}-model_part-{model_part}-shard*.pt"
+    return f"{glob.escape(checkpoint_prefix(stem))}-model_part-{model_part}-shard*.pt"
 
 
 def natural_sort_key(path: str | os.PathLike) -> list:

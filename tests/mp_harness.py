@@ -41,10 +41,10 @@ import torch.multiprocessing as mp
 from fairscale.nn.model_parallel import get_model_parallel_group
 from fairscale.nn.model_parallel.mappings import gather_from_model_parallel_region
 
-from metaseq.checkpoint_utils import find_restore_files, is_consolidated_file, load_training_state, restore_prefix
+from metaseq.checkpoint_utils import find_restore_files, is_consolidated_file, load_training_state
 from metaseq.distributed.fsdp import fsdp_instances, init_distributed
 from metaseq.distributed.model_parallel import RankLayout, build_fsdp_model, init_model_parallel, shutdown_model_parallel
-from metaseq.file_io import load_checkpoint
+from metaseq.file_io import load_checkpoint, shard_glob
 from metaseq.models.partition import merge_state_dicts
 from metaseq.models.transformer_lm import ModelConfig
 from metaseq.tokenizer import encode
@@ -87,7 +87,7 @@ def rank_files(source: str | Path | Sequence[str | Path], *, model_parallel_size
     if world_size is None and is_consolidated_file(source):
         world_size = model_parallel_size
     elif world_size is None:
-        world_size = len(glob.glob(f"{glob.escape(restore_prefix(source))}-model_part-*-shard*.pt"))
+        world_size = len(glob.glob(shard_glob(source, "*")))
     return find_restore_files(source, world_size, model_parallel_size)
 
 

@@ -33,7 +33,7 @@ import torch
 from tqdm import tqdm
 
 from metaseq.data import load_lines
-from metaseq.file_io import load_checkpoint, shard_file_name
+from metaseq.file_io import load_checkpoint, shard_file_name, shard_glob
 from metaseq.hub_utils import GenerationConfig, GeneratorInterface
 
 logger = logging.getLogger("metaseq.scripts.demo")
@@ -225,10 +225,6 @@ def reshard(inputs: str, output: Path, num: int, *, unflatten: bool, skip_optimi
     run_logged(python_m("metaseq.scripts.reshard_fsdp", *args), log)
 
 
-def shard_glob(folder: Path, prefix: str) -> str:
-    return rel(folder / shard_file_name(prefix, 0, 0)).replace("-shard0.pt", "-shard*.pt")
-
-
 def ask(path: Path, question: str, log: Path) -> str:
     out = run_logged(python_m("metaseq.cli.interactive_cli", "--path", rel(path)), log, stdin=question)
     return out.strip()
@@ -261,14 +257,15 @@ def step_train(cfg: DemoConfig, out: Path) -> tuple[int, dict[int, float], bool]
     logger.info("[1/5] train: %d FSDP ranks on CPU (gloo) on %s until greedy decoding reproduces it",
                 WORLD_SIZE, rel(CORPUS))
     result = train_until_reproduced(cfg, out / "train", out / "logs")
-    logger.info("  each checkpoint is %d shard files: %s", WORLD_SIZE, shard_glob(out / "train", "checkpoint_last"))
+    logger.info("  each checkpoint is %d shard files: %s", WORLD_SIZE,
+                shard_glob(rel(out / "train" / "checkpoint_last.pt")))
     return result
 
 
 def step_consolidate_and_ask(cfg: DemoConfig, out: Path) -> bool:
     logger.info("[2/5] reshard %d -> 1: unflattened weights, no optimizer state", WORLD_SIZE)
     served = out / "reshard_1" / "reshard-model_part-0.pt"
-    reshard(shard_glob(out / "train", "checkpoint_last"), served, 1, unflatten=True, skip_optimizer=True,
+    reshard(shard_glob(rel(out / "train" / "checkpoint_last.pt")), served, 1, unflatten=True, skip_optimizer=True,
             log=out / "logs" / "reshard_1.log")
     logger.info("  wrote %s (%d bytes)", rel(served), served.stat().st_size)
     logger.info("[3/5] ask the interactive CLI (a plain model, no FSDP)")
@@ -283,10 +280,12 @@ def step_consolidate_and_ask(cfg: DemoConfig, out: Path) -> bool:
 def step_roundtrip(out: Path, checkpoint: str) -> bool:
     logger.info("[4/5] reshard %s %d -> %d -> %d with optimizer state", checkpoint, WORLD_SIZE, WIDE_WORLD_SIZE, WORLD_SIZE)
     logs = out / "logs"
-    reshard(shard_glob(out / "train", checkpoint), out / "reshard_8" / "checkpoint_last-model_part-0-shard{i}.pt",
-            WIDE_WORLD_SIZE, unflatten=False, skip_optimizer=False, log=logs / "reshard_8.log")
-    reshard(shard_glob(out / "reshard_8", "checkpoint_last"), out / "reshard_8_4" / "checkpoint_last-model_part-0-shard{i}.pt",
-            WORLD_SIZE, unflatten=False, skip_optimizer=False, log=logs / "reshard_8_4.log")
+    reshard(shard_glob(rel(out / "train" / f"{checkpoint}.pt")),
+            out / "reshard_8" / "checkpoint_last-model_part-0-shard{i}.pt", WIDE_WORLD_SIZE,
+            unflatten=False, skip_optimizer=False, log=logs / "reshard_8.log")
+    reshard(shard_glob(rel(out / "reshard_8" / "checkpoint_last.pt")),
+            out / "reshard_8_4" / "checkpoint_last-model_part-0-shard{i}.pt", WORLD_SIZE,
+            unflatten=False, skip_optimizer=False, log=logs / "reshard_8_4.log")
     bad = compare_shard_sets(out / "train", checkpoint, out / "reshard_8_4", "checkpoint_last")
     if bad:
         logger.error("  %d tensors changed in the round trip: %s", len(bad), ", ".join(bad[:4]))
