@@ -11,13 +11,18 @@ $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 
 # Re-run the install when the pins or the package metadata change.
+# --no-compile: Python compiles only the modules it imports, on first import, instead of
+# every file of every package now (transformers alone is thousands).
 $(STAMP): $(VENV)/bin/python setup.py constraints.txt
-	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
-	$(PY) -m pip install -q -c constraints.txt -e ".[test,hf]"
+	$(PY) -m pip install -q --no-compile -c constraints.txt torch==2.13.0 -e ".[test,hf]"
 	touch $(STAMP)
 
+# Tests run in TEST_WORKERS pytest-xdist workers, a test file per worker at a time (module
+# fixtures are built once); the session's training runs are shared (tests/conftest.py).
+TEST_WORKERS ?= 2
+
 test: install
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 demo: install
 	$(PY) -m metaseq.scripts.demo

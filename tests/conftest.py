@@ -1,7 +1,16 @@
+import json
+import os
 import sys
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
+
+if "PYTEST_XDIST_WORKER" in os.environ:  # two workers on two cores: one thread each, subprocesses too
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(1)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -12,18 +21,31 @@ TRAIN_UPDATES = 6
 MP_UPDATES = 4
 
 
+def shared_run(tmp_path_factory, name, train):
+    """`train(save_dir) -> {update: loss}` once per test session, even under pytest-xdist.
+
+    xdist's workers share the parent of their temp folders: the first worker to get here
+    trains under a file lock, the others wait and read its folder and losses.
+    """
+    root = tmp_path_factory.getbasetemp()
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        root = root.parent
+    save_dir, record = root / f"shared_{name}", root / f"shared_{name}.json"
+    with FileLock(str(record) + ".lock"):
+        if not record.is_file():
+            save_dir.mkdir(exist_ok=True)
+            record.write_text(json.dumps(train(save_dir)))
+    return save_dir, {int(k): v for k, v in json.loads(record.read_text()).items()}
+
+
 @pytest.fixture(scope="session")
 def trained(tmp_path_factory):
     """Real FSDP runs at W = 1, 2, 4: {W: (save_dir, {update: loss})}.
 
     Each saves after update 4 (`checkpoint_4-*`) and at the end (`checkpoint_last-*`).
     """
-    runs = {}
-    for w in (1, 2, 4):
-        save_dir = tmp_path_factory.mktemp(f"train_w{w}")
-        proc = run_train(save_dir, world_size=w, max_update=TRAIN_UPDATES, extra=["--save-interval-updates", "4"])
-        runs[w] = (save_dir, losses(proc))
-    return runs
+    return {w: shared_run(tmp_path_factory, f"train_w{w}", lambda save_dir, w=w: losses(run_train(
+        save_dir, world_size=w, max_update=TRAIN_UPDATES, extra=["--save-interval-updates", "4"]))) for w in (1, 2, 4)}
 
 
 @pytest.fixture(scope="session")
@@ -38,8 +60,5 @@ def mp_runs(tmp_path_factory):
         "p2_fused": dict(model_parallel_size=2, world_size=4, fused_qkv=True),
         "p1_fused": dict(model_parallel_size=1, world_size=1, fused_qkv=True),
     }
-    out = {}
-    for name, spec in specs.items():
-        save_dir = tmp_path_factory.mktemp(name)
-        out[name] = (save_dir, losses(run_train_mp(save_dir, max_update=MP_UPDATES, **spec)))
-    return out
+    return {name: shared_run(tmp_path_factory, name, lambda save_dir, spec=spec: losses(
+        run_train_mp(save_dir, max_update=MP_UPDATES, **spec))) for name, spec in specs.items()}
