@@ -29,6 +29,7 @@ import io
 import os
 import pickle
 import struct
+import threading
 import zipfile
 import zlib
 from dataclasses import dataclass, field
@@ -127,7 +128,8 @@ class Copy(NamedTuple):
 
     `source` is a file path or the bytes themselves; elements are cast to the storage's
     dtype where it differs (with torch, chunk by chunk). With `count` > 1, `count` such
-    blocks `src_stride` bytes apart in the source go end to end into the storage.
+    blocks `src_stride` bytes apart in the source go `dst_stride` bytes apart (0: end to
+    end) into the storage.
     """
 
     source: str | bytes | memoryview
@@ -137,13 +139,12 @@ class Copy(NamedTuple):
     src_dtype: DType
     count: int = 1
     src_stride: int = 0
+    dst_stride: int = 0
 
-    def rows(self, itemsize: int) -> list[Copy]:
-        """The copy as `count` plain copies, into a storage of elements of `itemsize` bytes."""
-        if self.count == 1:
-            return [self]
-        return [self._replace(src_offset=self.src_offset + r * self.src_stride, count=1, src_stride=0,
-                              dst_offset=self.dst_offset + r * self.numel * itemsize) for r in range(self.count)]
+    def extent(self, itemsize: int) -> int:
+        """Bytes of the storage from the copy's first to its last byte, into elements of `itemsize`."""
+        row = self.numel * itemsize
+        return (self.count - 1) * (self.dst_stride or row) + row
 
 
 @dataclass(eq=False)
@@ -462,47 +463,105 @@ def from_torch(obj: Any) -> tuple[Any, list[str]]:
 
 
 def read_storage(storage: Storage) -> bytearray:
-    """A storage's bytes in memory: its copies read (and cast), zeros elsewhere.
+    """A storage's bytes in memory: its copies read (and cast), zeros elsewhere."""
+    out = bytearray(storage.nbytes)
+    _gather(storage.copies, 0, memoryview(out), storage.dtype)
+    return out
+
+
+def _gather(copies: Sequence[Copy], lo: int, out: memoryview, dtype: DType) -> None:
+    """Fill `out`, bytes [lo, lo + len(out)) of a storage of `dtype`, from `copies` (all inside it); zeros elsewhere.
 
     Each source is read in windows of up to WINDOW_BYTES that cover many copies at once
-    (a model-parallel cut takes one copy per row), so reads are few whatever the copies.
+    (a model-parallel cut takes one copy per row), so reads are few whatever the copies,
+    into a buffer this thread reuses; rows go from there to `out` in one strided copy each.
     """
-    out = bytearray(storage.nbytes)
-    view = memoryview(out)
+    import numpy as np
+
+    target = np.frombuffer(out, np.uint8)
+    target.fill(0)
     by_source: dict[Any, list[Copy]] = {}
-    for copy in storage.copies:
+    for copy in copies:
         by_source.setdefault(id(copy.source), []).append(copy)
-    for copies in by_source.values():
-        copies.sort(key=lambda c: c.src_offset)
+    for group in by_source.values():
+        group.sort(key=lambda c: c.src_offset)
         first = 0
-        while first < len(copies):
-            lo, last, hi = copies[first].src_offset, first, 0
-            while last < len(copies) and (last == first or _end(copies[last]) - lo <= WINDOW_BYTES):
-                hi, last = max(hi, _end(copies[last])), last + 1
-            data = memoryview(read_at(copies[first].source, lo, hi - lo))
-            size = storage.dtype.itemsize
-            for copy in copies[first:last]:
-                part = _rows(data, copy, copy.src_offset - lo)
-                view[copy.dst_offset : copy.dst_offset + copy.numel * copy.count * size] = (
-                    part if copy.src_dtype == storage.dtype else _cast(part, copy.src_dtype, storage.dtype))
+        while first < len(group):
+            start, last, end = group[first].src_offset, first, 0
+            while last < len(group) and (last == first or _end(group[last]) - start <= WINDOW_BYTES):
+                end, last = max(end, _end(group[last])), last + 1
+            data = np.frombuffer(_read_window(group[first].source, start, end - start), np.uint8)
+            for copy in group[first:last]:
+                src_row, dst_row = copy.numel * copy.src_dtype.itemsize, copy.numel * dtype.itemsize
+                rows = _strided(data, copy.src_offset - start, copy.count, src_row, copy.src_stride)
+                if copy.src_dtype != dtype:
+                    rows = np.frombuffer(_cast(np.ascontiguousarray(rows), copy.src_dtype, dtype), np.uint8)
+                _strided(target, copy.dst_offset - lo, copy.count, dst_row, copy.dst_stride)[...] = (
+                    rows.reshape(copy.count, dst_row))
             first = last
-    return out
+
+
+def _strided(data: Any, offset: int, count: int, row: int, stride: int) -> Any:
+    """`count` rows of `row` bytes, `stride` apart (0: end to end), of the uint8 array `data` from `offset`."""
+    import numpy as np
+
+    return np.lib.stride_tricks.as_strided(data[offset:], (count, row), (stride or row, 1))
+
+
+_THREAD = threading.local()
+
+
+def _thread_buffer(name: str, size: int) -> memoryview:
+    """`size` bytes of this thread's buffer `name`, reused from call to call (a fresh buffer for
+    every window would cost a page fault per page)."""
+    buffer = getattr(_THREAD, name, None)
+    if buffer is None or len(buffer) < size:
+        buffer = bytearray(max(size, WINDOW_BYTES))
+        setattr(_THREAD, name, buffer)
+    return memoryview(buffer)[:size]
+
+
+def _read_window(source: str | bytes | memoryview, offset: int, size: int) -> memoryview:
+    """`size` bytes at `offset` of `source`; a file's in this thread's read buffer, until its next call."""
+    if not isinstance(source, str):
+        return memoryview(source)[offset : offset + size]
+    view, pos = _thread_buffer("read", size), 0
+    with open(source, "rb") as f:
+        while pos < size:
+            n = os.preadv(f.fileno(), [view[pos:]], offset + pos)
+            if n == 0:
+                raise OSError(errno.EIO, f"{source} ended early (changed while resharding?)")
+            pos += n
+    return view
+
+
+def _windows(copies: Sequence[Copy], itemsize: int) -> Iterator[tuple[int, int, list[Copy]]]:
+    """(lo, hi, copies): the copies in storage order, grouped into byte ranges [lo, hi) of at most
+    WINDOW_BYTES to gather in memory; a plain copy larger than that comes alone."""
+    group: list[Copy] = []
+    lo = hi = 0
+    pieces = []
+    for copy in copies:
+        pitch = copy.dst_stride or copy.numel * itemsize
+        # repeating copies: as many rows at a time as fit a window, in the output and in the input
+        per = max(1, WINDOW_BYTES // max(pitch, copy.src_stride)) if copy.count > 1 else 1
+        pieces += [copy._replace(src_offset=copy.src_offset + first * copy.src_stride, dst_offset=copy.dst_offset +
+                                 first * pitch, count=min(per, copy.count - first)) for first in range(0, copy.count, per)]
+    for piece in sorted(pieces, key=lambda c: c.dst_offset):
+        end = piece.dst_offset + piece.extent(itemsize)
+        if group and end - lo > WINDOW_BYTES:
+            yield lo, hi, group
+            group = []
+        if not group:
+            lo = hi = piece.dst_offset
+        group.append(piece)
+        hi = max(hi, end)
+    if group:
+        yield lo, hi, group
 
 
 def _end(copy: Copy) -> int:
     return copy.src_offset + (copy.count - 1) * copy.src_stride + copy.numel * copy.src_dtype.itemsize
-
-
-def _rows(data: memoryview, copy: Copy, start: int) -> Any:
-    """A copy's bytes from `data` (its source from byte `start` on), its rows put end to end."""
-    size = copy.numel * copy.src_dtype.itemsize
-    if copy.count == 1:
-        return data[start : start + size]
-    import numpy as np
-
-    rows = np.lib.stride_tricks.as_strided(np.frombuffer(data, np.uint8, offset=start), (copy.count, size),
-                                           (copy.src_stride, 1), writeable=False)
-    return memoryview(np.ascontiguousarray(rows)).cast("B")
 
 
 def _cast(data: bytes | memoryview, src: DType, dst: DType) -> bytes:
@@ -793,14 +852,22 @@ def write_checkpoint(fd: int, obj: Any, *, archive: str = "archive", crc32: bool
             pwrite_all(fd, entry.data, entry.data_offset)
             continue
         storage = entry.storage
-        rows = any(c.count > 1 for c in storage.copies)  # rows of a model-parallel cut on the second dim
-        if (rows or len(storage.copies) > MANY_COPIES) and storage.nbytes <= WINDOW_BYTES:
-            pwrite_all(fd, read_storage(storage), entry.data_offset, report)
-            continue
-        spans = ((c.dst_offset, c.numel * c.count * storage.dtype.itemsize) for c in storage.copies)
-        for start, nbytes in gaps(spans, storage.nbytes):  # padding
+        spans = ((c.dst_offset, c.extent(storage.dtype.itemsize)) for c in storage.copies)
+        for start, nbytes in gaps(spans, storage.nbytes):  # padding (copies side by side fill each other's gaps)
             _write_zeros(fd, entry.data_offset + start, nbytes)
-        for copy in (row for c in storage.copies for row in c.rows(storage.dtype.itemsize)):
+        if any(c.count > 1 for c in storage.copies) or len(storage.copies) > MANY_COPIES:
+            # rows of a model-parallel cut, or many small copies: gathered a window at a time
+            plain = []
+            for lo, hi, group in _windows(storage.copies, storage.dtype.itemsize):
+                if len(group) == 1 and group[0].count == 1:  # one big copy: file to file
+                    plain += group
+                else:
+                    window = _thread_buffer("window", hi - lo)
+                    _gather(group, lo, window, storage.dtype)
+                    pwrite_all(fd, window, entry.data_offset + lo, report)
+        else:
+            plain = storage.copies
+        for copy in plain:
             if isinstance(copy.source, str):
                 by_source.setdefault(copy.source, []).append((copy.src_offset, entry.data_offset, copy, storage.dtype))
             else:

@@ -268,6 +268,23 @@ def test_inference_merges_consolidated_parts(mp_runs, tmp_path):
         assert torch.equal(from_shards["model"][name], tensor), name
 
 
+@pytest.mark.parametrize("p, n, q, m", [(2, 3, 1, 1), (4, 3, 1, 2), (1, 3, 4, 1), (4, 2, 2, 3), (2, 2, 4, 3)])
+def test_every_cut_gives_the_split_of_the_full_model(tmp_path, p, n, q, m):
+    """P x N -> Q x M (flat, optimizer state too) -> Q x 1 unflattened: each part is `split_param`'s slice
+    of the full model, whichever rows cross an input shard's boundary; the moments follow (exp_avg = 2 * param)."""
+    model = _write_parts(tmp_path / "in", p, n, heads=4)
+    assert main(["--input", str(tmp_path / "in" / "*.pt"), "--output", str(tmp_path / "mid" / OUT), "--quiet",
+                 "--num-output-parts", str(q), "--num-output-shards", str(m)]) == 0
+    assert main(["--input", str(tmp_path / "mid" / "*.pt"), "--output", str(tmp_path / "out" / "reshard-model_part-{j}.pt"),
+                 "--quiet", "--num-output-parts", str(q), "--unflatten-weights"]) == 0
+    for j in range(q):
+        got = load_checkpoint(tmp_path / "out" / f"reshard-model_part-{j}.pt")
+        state = got["last_optimizer_state"]["state"]  # fairscale's consolidated layout: one entry per parameter
+        for i, (name, full) in enumerate(model.params.items()):
+            assert torch.equal(got["model"][name], split_param(name, full, q)[j]), (j, name)
+            assert torch.equal(state[i]["exp_avg"], 2 * got["model"][name]), (j, name)
+
+
 def test_dry_run_and_verify_of_a_model_parallel_plan(tmp_path, capsys):
     _write_parts(tmp_path, 2, 2)
     argv = ["--input", str(tmp_path / "*.pt"), "--output", str(tmp_path / "out" / OUT), "--num-output-parts", "1",

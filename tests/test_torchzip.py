@@ -142,6 +142,32 @@ def test_pieces_and_zero_padding_fill_a_new_tensor(tmp_path: Path) -> None:
     assert torch.equal(torch.load(tmp_path / "out.pt", weights_only=True)["x"], expected)
 
 
+@pytest.mark.parametrize("window", [torchzip.WINDOW_BYTES, 100])
+def test_rows_and_many_copies_are_gathered_window_by_window(tmp_path: Path, monkeypatch, window: int) -> None:
+    """Model-parallel cuts: a column block of a weight (one repeating copy, cast on the way), and two
+    weights side by side (a copy per row, or two repeating copies), over storages many windows long."""
+    monkeypatch.setattr(torchzip, "WINDOW_BYTES", window)
+    w, v = torch.randn(37, 10), torch.randn(37, 6)
+    torch.save({"w": w, "v": v}, tmp_path / "in.pt")
+    src = read_structure(str(tmp_path / "in.pt"))
+    (path, w_at), (_, v_at) = src["w"].storage.locate(0), src["v"].storage.locate(0)
+    f32, f64 = torchzip.dtype_by_name("float32"), torchzip.dtype_by_name("float64")
+    columns = TensorRef.empty([38, 4], f64)  # W[:, 3:7] as float64, and a zero row
+    columns.storage.copies.append(Copy(path, w_at + 12, 0, 4, f32, count=37, src_stride=40))
+    joined = TensorRef.empty([37, 16], f32)  # [W | V], row by row
+    for r in range(37):
+        joined.storage.copies += [Copy(path, w_at + 40 * r, 64 * r, 10, f32), Copy(path, v_at + 24 * r, 64 * r + 40, 6, f32)]
+    side = TensorRef.empty([37, 16], f32)  # [W | V] again: two repeating copies, their rows side by side
+    side.storage.copies += [Copy(path, v_at, 40, 6, f32, count=37, src_stride=24, dst_stride=64),
+                            Copy(path, w_at, 0, 10, f32, count=37, src_stride=40, dst_stride=64)]
+    with open(tmp_path / "out.pt", "wb") as f:
+        write_checkpoint(f.fileno(), {"columns": columns, "joined": joined, "side": side})
+    out = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert torch.equal(out["columns"], torch.cat([w[:, 3:7].double(), torch.zeros(1, 4, dtype=torch.float64)]))
+    assert torch.equal(out["joined"], torch.cat([w, v], dim=1))
+    assert torch.equal(out["side"], torch.cat([w, v], dim=1))
+
+
 def _legacy(path: Path) -> None:
     torch.save({"a": torch.zeros(2)}, path, _use_new_zipfile_serialization=False)
 

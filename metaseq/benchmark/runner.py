@@ -329,7 +329,7 @@ def _cut_into_parts(ckpt: synth.SyntheticCheckpoint, parts: int, n: int, in_dir:
     out = in_dir / "parts"
     cmd = [sys.executable, "-m", "metaseq.scripts.reshard_model_parallel", "--input-glob-pattern", ckpt.glob_pattern,
            "--output-shard-name", str(out / "checkpoint_last-model_part-{j}-shard{i}.pt"),
-           "--num-output-parts", str(parts), "--num-output-shards", str(n), "--quiet"]
+           "--num-output-parts", str(parts), "--num-output-shards", str(n), "--overwrite", "--quiet"]  # a kept --workdir
     subprocess.run(cmd, check=True)
     for path in ckpt.paths:
         path.unlink()

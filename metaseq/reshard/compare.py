@@ -64,7 +64,7 @@ class TensorSet:
             return out
         flat = out.float().reshape(-1)
         for run in tensor.runs:
-            flat[run.offset : run.offset + run.length * run.count] *= factors[run.input]
+            flat.as_strided((run.count, run.length), (run.pitch or run.length, 1), run.offset).mul_(factors[run.input])
         return flat.view(out.shape)
 
 

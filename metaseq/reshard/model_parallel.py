@@ -17,7 +17,7 @@ from metaseq.errors import ReshardError
 from metaseq.models.partition import Rule, rule_for
 from metaseq.reshard.layout import FlatParam, Mirror, ModelLayout
 from metaseq.reshard.optim import OptimLayout, StateEntry
-from metaseq.reshard.ranges import Span, SpanIndex, join_spans, sub_spans
+from metaseq.reshard.ranges import Span, SpanIndex, join_spans, side_by_side, sub_spans
 from metaseq.torchzip import DType, Size, read_at
 
 __all__ = ["check_parts_fit", "cut_model_parts", "global_shapes", "shift_inputs"]
@@ -143,9 +143,9 @@ class _Cutter:
                                            self.parts[0].dtypes[k])
                 out += sub_spans(part_spans[0], starts[0], starts[0] + local)
                 continue
-            for p, offset, length, count, stride in _pieces(self.shapes[name], rule, len(self.parts),
-                                                            self.num_parts, self.part):
-                out += indexes[p].slice_rows(starts[p] + offset, length, count, stride)
+            columns, count, stride = _pieces(self.shapes[name], rule, len(self.parts), self.num_parts, self.part)
+            out += side_by_side([indexes[p].slice_rows(starts[p] + offset, length, count, stride)
+                                 for p, offset, length in columns])
         return join_spans(out)
 
     def entry(self, k: int, entries: Sequence[StateEntry]) -> StateEntry:
@@ -175,9 +175,10 @@ class _Cutter:
                 return
 
 
-def _pieces(shape: Size, rule: Rule, in_parts: int, out_parts: int, part: int) -> list[tuple[int, int, int, int, int]]:
-    """(input part, element offset in its slice, length, count, stride) pieces of output part `part`'s
-    slice, in its order: `count` rows of `length` elements, `stride` apart in the input part's slice.
+def _pieces(shape: Size, rule: Rule, in_parts: int, out_parts: int, part: int) -> tuple[list[tuple[int, int, int]], int, int]:
+    """Output part `part`'s slice as (columns, count, stride): `count` rows, each the columns'
+    pieces side by side; a column is (input part, element offset in its slice, length), and
+    moves `stride` elements per row there.
 
     Along `rule.dim` the global tensor holds `rule.blocks` equal blocks; input part p holds
     the p-th of `in_parts` equal slices of each block, output part q the q-th of `out_parts`.
@@ -186,25 +187,22 @@ def _pieces(shape: Size, rule: Rule, in_parts: int, out_parts: int, part: int) -
     inner = math.prod(shape[rule.dim + 1 :])
     block = shape[rule.dim] // rule.blocks
     in_len, out_len = block // in_parts, block // out_parts
-    p, first = divmod(part * out_len, in_len)
-    if rule.blocks == 1 and first + out_len <= in_len:  # every row from one input part: one repeating piece
-        return [(p, first * inner, out_len * inner, outer, in_len * inner)]
-    pieces: list[tuple[int, int, int, int, int]] = []
-    for o in range(outer):
-        for b in range(rule.blocks):
-            row, end = b * block + part * out_len, b * block + (part + 1) * out_len
-            while row < end:
-                p = (row - b * block) // in_len
-                stop = min(end, b * block + (p + 1) * in_len)
-                local_row = b * in_len + row - b * block - p * in_len
-                offset = (o * rule.blocks * in_len + local_row) * inner
-                last = pieces[-1] if pieces else None
-                if last is not None and last[0] == p and last[1] + last[2] == offset:
-                    pieces[-1] = (p, last[1], last[2] + (stop - row) * inner, 1, 0)
-                else:
-                    pieces.append((p, offset, (stop - row) * inner, 1, 0))
-                row = stop
-    return pieces
+    columns: list[tuple[int, int, int]] = []
+    for b in range(rule.blocks):
+        row, end = part * out_len, (part + 1) * out_len  # rows of the block
+        while row < end:
+            p, local = divmod(row, in_len)
+            stop = min(end, (p + 1) * in_len)
+            offset, length = (b * in_len + local) * inner, (stop - row) * inner
+            if columns and columns[-1][0] == p and columns[-1][1] + columns[-1][2] == offset:
+                columns[-1] = (p, columns[-1][1], columns[-1][2] + length)
+            else:
+                columns.append((p, offset, length))
+            row = stop
+    stride = rule.blocks * in_len * inner
+    if len(columns) == 1 and columns[0][2] == stride:  # whole rows of one part: one block of elements
+        return [(columns[0][0], columns[0][1], stride * outer)], 1, 0
+    return columns, outer, stride
 
 
 def _read(structures: Sequence[Any], spans: Sequence[Span]) -> bytes:

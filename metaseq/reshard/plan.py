@@ -367,7 +367,7 @@ def tensor_ref(tensor: OutTensor, inputs: Sequence[InputFile]) -> TensorRef:
             found[run.input, run.path] = (source, offset, src.dtype.itemsize, src.dtype)
         source, offset, size, dtype = found[run.input, run.path]
         out.storage.copies.append(Copy(source, offset + run.start * size, run.offset * itemsize, run.length, dtype,
-                                       run.count, run.stride * size))
+                                       run.count, run.stride * size, run.pitch * itemsize))
     return out
 
 

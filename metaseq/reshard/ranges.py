@@ -4,8 +4,9 @@ A tensor's elements are counted in row-major order. Where they come from is a li
 `Span`s laid end to end, each a stretch of one input tensor; the part of it an output
 needs is a list of `Run`s, each copied as one block of bytes. A span or run may repeat:
 `count` blocks of `length` elements, `stride` elements apart in the input and end to end
-in the output (the rows of a weight that model parallelism cuts on its second dim).
-Nothing here does I/O.
+in the output (the rows of a weight that model parallelism cuts on its second dim). A
+`Tile` is such spans side by side: row r of the tile is row r of each (the rows of a
+weight whose model parts are merged on its second dim). Nothing here does I/O.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from typing import Any, NamedTuple, Sequence
 
 from metaseq.torchzip import DType, Size
 
-__all__ = ["OutTensor", "Run", "Span", "SpanIndex", "join_spans", "plan_range", "shard_range", "sub_spans"]
+__all__ = ["OutTensor", "Run", "Span", "SpanIndex", "Tile", "join_spans", "plan_range", "shard_range", "sub_spans"]
 
 
 class Span(NamedTuple):
@@ -34,9 +35,24 @@ class Span(NamedTuple):
         return self.length * self.count
 
 
+class Tile(NamedTuple):
+    """Repeating spans of equal `count`, side by side: output row r is row r of each, in order."""
+
+    spans: tuple[Span, ...]
+
+    @property
+    def size(self) -> int:
+        return sum(s.size for s in self.spans)
+
+    @property
+    def width(self) -> int:
+        return sum(s.length for s in self.spans)
+
+
 class Run(NamedTuple):
     """Copy `length` elements of input `input`'s tensor at `path`, from its element `start`,
-    to element `offset` of the output tensor (`count` times: input `stride` apart, output end to end)."""
+    to element `offset` of the output tensor (`count` times: input `stride` apart, output
+    `pitch` apart, 0 for end to end)."""
 
     input: int
     path: tuple[Any, ...]
@@ -45,6 +61,7 @@ class Run(NamedTuple):
     length: int
     count: int = 1
     stride: int = 0
+    pitch: int = 0
 
 
 def shard_range(numel: int, world_size: int, rank: int) -> tuple[int, int, int]:
@@ -62,31 +79,60 @@ def shard_range(numel: int, world_size: int, rank: int) -> tuple[int, int, int]:
     return start, end, padded_len
 
 
-def plan_range(spans: Sequence[Span], start: int, end: int, offset: int = 0) -> tuple[Run, ...]:
+def plan_range(spans: Sequence[Span | Tile], start: int, end: int, offset: int = 0) -> tuple[Run, ...]:
     """Runs that copy elements [start, end) of the spans laid end to end, to output elements from `offset`."""
     runs = []
-    for span in SpanIndex(spans).slice(start, end):
-        runs.append(Run(span.input, span.path, span.start, offset, span.length, span.count, span.stride))
-        offset += span.size
+    for item in SpanIndex(spans).slice(start, end):
+        at, pitch = offset, item.width if isinstance(item, Tile) else 0
+        for span in item.spans if isinstance(item, Tile) else (item,):
+            runs.append(Run(span.input, span.path, span.start, at, span.length, span.count, span.stride, pitch))
+            at += span.length if pitch else span.size
+        offset += item.size
     return tuple(runs)
 
 
-def sub_spans(spans: Sequence[Span], start: int, end: int) -> list[Span]:
+def sub_spans(spans: Sequence[Span | Tile], start: int, end: int) -> list[Span | Tile]:
     """The spans of elements [start, end) of `spans` laid end to end."""
     return SpanIndex(spans).slice(start, end)
+
+
+def side_by_side(columns: Sequence[Sequence[tuple[int, list[Span]]]]) -> list[Span | Tile]:
+    """Rows whose pieces lie in several places, row after row, each row its pieces in order.
+
+    `columns[k]` holds every row's k-th piece as `SpanIndex.slice_rows` groups them; rows
+    where each column repeats become one tile, a row that crosses an input's span
+    boundary in some column becomes plain spans.
+    """
+    heads = [list(reversed(c)) for c in columns]  # each column's (rows, spans) groups, the next on top
+    out: list[Span | Tile] = []
+    while heads[0]:
+        rows = min(h[-1][0] for h in heads)
+        pieces: list[Span] = []
+        for h in heads:
+            n, spans = h.pop()
+            if n > rows:  # a repeating span: its first `rows` rows now, the rest stay on top
+                span = spans[0]
+                h.append((n - rows, [span._replace(start=span.start + rows * span.stride, count=n - rows)]))
+                spans = [span._replace(count=rows, stride=span.stride if rows > 1 else 0)]
+            pieces += spans
+        if rows > 1:
+            out.append(Tile(tuple(pieces)) if len(pieces) > 1 else pieces[0])
+        else:
+            out += pieces
+    return out
 
 
 class SpanIndex:
     """Spans laid end to end, sliced many times (a model-parallel cut takes one slice per row)."""
 
-    def __init__(self, spans: Sequence[Span]) -> None:
+    def __init__(self, spans: Sequence[Span | Tile]) -> None:
         self.spans = list(spans)
         self.starts = list(itertools.accumulate((s.size for s in self.spans), initial=0))
 
-    def slice(self, start: int, end: int) -> list[Span]:
-        """The spans of elements [start, end)."""
+    def slice(self, start: int, end: int) -> list[Span | Tile]:
+        """The spans (and tiles) of elements [start, end)."""
         assert start >= end or self.starts[-1] >= end, f"[{start}, {end}) beyond the {self.starts[-1]} elements"
-        out: list[Span] = []
+        out: list[Span | Tile] = []
         i = bisect.bisect_right(self.starts, start) - 1
         while start < end:
             first = self.starts[i]
@@ -97,10 +143,10 @@ class SpanIndex:
             i += 1
         return out
 
-    def slice_rows(self, start: int, length: int, count: int, stride: int) -> list[Span]:
-        """`count` rows of `length` elements, `stride` apart from element `start`, end to end: rows that
-        lie in one span become one repeating span, a row across two spans two plain ones."""
-        out: list[Span] = []
+    def slice_rows(self, start: int, length: int, count: int, stride: int) -> list[tuple[int, list[Span]]]:
+        """`count` rows of `length` elements, `stride` apart from element `start`, as (rows, spans)
+        groups: rows that lie in one span are one repeating span, a row across spans its pieces."""
+        out: list[tuple[int, list[Span]]] = []
         row = 0
         while row < count:
             first = start + row * stride
@@ -108,45 +154,59 @@ class SpanIndex:
             span, top = self.spans[i], self.starts[i + 1]
             if span.count == 1 and first + length <= top:
                 rows = count - row if stride == 0 else min(count - row, (top - first - length) // stride + 1)
-                out.append(Span(span.input, span.path, span.start + first - self.starts[i], length, rows,
-                                stride if rows > 1 else 0))
+                out.append((rows, [Span(span.input, span.path, span.start + first - self.starts[i], length, rows,
+                                         stride if rows > 1 else 0)]))
                 row += rows
             else:
-                out += self.slice(first, first + length)
+                out.append((1, self.slice(first, first + length)))
                 row += 1
         return out
 
 
-def _cut(span: Span, a: int, b: int) -> list[Span]:
-    """Elements [a, b) of one span (of its output side), as spans."""
-    if span.count == 1:
-        return [Span(span.input, span.path, span.start + a, b - a)]
-    length = span.length
-    (r0, c0), (r1, c1) = divmod(a, length), divmod(b, length)
+def _cut(item: Span | Tile, a: int, b: int) -> list[Span | Tile]:
+    """Elements [a, b) of one span or tile (of its output side)."""
+    if isinstance(item, Span) and item.count == 1:
+        return [Span(item.input, item.path, item.start + a, b - a)]
+    spans = item.spans if isinstance(item, Tile) else (item,)
+    width = sum(s.length for s in spans)
+    (r0, c0), (r1, c1) = divmod(a, width), divmod(b, width)
     if r0 == r1:
-        return [Span(span.input, span.path, span.start + r0 * span.stride + c0, c1 - c0)]
-    out = []
+        return _row(spans, r0, c0, c1)
+    out: list[Span | Tile] = []
     if c0:
-        out.append(Span(span.input, span.path, span.start + r0 * span.stride + c0, length - c0))
+        out += _row(spans, r0, c0, width)
         r0 += 1
-    if r1 > r0:
-        rows = r1 - r0
-        out.append(Span(span.input, span.path, span.start + r0 * span.stride, length, rows,
-                        span.stride if rows > 1 else 0))
+    if r1 - r0 == 1:
+        out += _row(spans, r0, 0, width)
+    elif r1 > r0:
+        cut = tuple(s._replace(start=s.start + r0 * s.stride, count=r1 - r0) for s in spans)
+        out.append(Tile(cut) if len(cut) > 1 else cut[0])
     if c1:
-        out.append(Span(span.input, span.path, span.start + r1 * span.stride, c1))
+        out += _row(spans, r1, 0, c1)
     return out
 
 
-def join_spans(spans: Sequence[Span]) -> tuple[Span, ...]:
+def _row(spans: Sequence[Span], row: int, a: int, b: int) -> list[Span | Tile]:
+    """Elements [a, b) of row `row` of spans side by side, as plain spans."""
+    out: list[Span | Tile] = []
+    pos = 0
+    for s in spans:
+        lo, hi = max(a, pos), min(b, pos + s.length)
+        if lo < hi:
+            out.append(Span(s.input, s.path, s.start + row * s.stride + lo - pos, hi - lo))
+        pos += s.length
+    return out
+
+
+def join_spans(spans: Sequence[Span | Tile]) -> tuple[Span | Tile, ...]:
     """The same elements with neighbours that continue each other in one input tensor merged."""
-    out: list[Span] = []
+    out: list[Span | Tile] = []
     for span in spans:
         last = out[-1] if out else None
-        if (last is not None and last.count == span.count == 1
+        if (isinstance(last, Span) and isinstance(span, Span) and last.count == span.count == 1
                 and (last.input, last.path, last.start + last.length) == (span.input, span.path, span.start)):
             out[-1] = last._replace(length=last.length + span.length)
-        elif span.length and span.count:
+        elif span.size:
             out.append(span)
     return tuple(out)
 
