@@ -7,9 +7,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from metaseq.distributed.fsdp import init_distributed, lazy_init_all, wrap_model_fsdp
+from metaseq.distributed.fsdp import init_distributed, lazy_init_all, start_ranks, wrap_model_fsdp
 from metaseq.file_io import load_checkpoint
 from metaseq.models.transformer_lm import ModelConfig, build_model
 
@@ -18,7 +17,7 @@ def run_on_ranks(fn, world_size: int, *args) -> None:
     """Call `fn(rank, world_size, *args)` on every rank; `fn` must be importable."""
     with tempfile.TemporaryDirectory(prefix="fsdp-test-") as tmp:
         init_method = "file://" + os.path.join(tmp, "rendezvous")
-        mp.spawn(_entry, args=(world_size, init_method, fn, args), nprocs=world_size, join=True)
+        start_ranks(_entry, (world_size, init_method, fn, args), world_size)
 
 
 def _entry(rank: int, world_size: int, init_method: str, fn, args) -> None:

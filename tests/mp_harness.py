@@ -37,12 +37,11 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from fairscale.nn.model_parallel import get_model_parallel_group
 from fairscale.nn.model_parallel.mappings import gather_from_model_parallel_region
 
 from metaseq.checkpoint_utils import find_restore_files, is_consolidated_file, load_training_state
-from metaseq.distributed.fsdp import fsdp_instances, init_distributed
+from metaseq.distributed.fsdp import fsdp_instances, init_distributed, start_ranks
 from metaseq.distributed.model_parallel import RankLayout, build_fsdp_model, init_model_parallel, shutdown_model_parallel
 from metaseq.file_io import load_checkpoint, shard_glob
 from metaseq.models.partition import merge_state_dicts
@@ -95,7 +94,7 @@ def run_on_mp_ranks(fn: Callable[..., None], world_size: int, model_parallel_siz
     """Call `fn(layout, *args)` on every rank, with fairscale's model-parallel groups set up; `fn` must be importable."""
     with tempfile.TemporaryDirectory(prefix="mp-test-") as tmp:
         init_method = "file://" + os.path.join(tmp, "rendezvous")
-        mp.spawn(_entry, args=(world_size, model_parallel_size, init_method, fn, args), nprocs=world_size, join=True)
+        start_ranks(_entry, (world_size, model_parallel_size, init_method, fn, args), world_size)
 
 
 def _entry(rank: int, world_size: int, model_parallel_size: int, init_method: str, fn: Callable[..., None],

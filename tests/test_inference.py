@@ -5,11 +5,10 @@ import shutil
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from fairscale.nn.data_parallel import FullyShardedDataParallel as FSDP
 from torch import nn
 
-from metaseq.distributed.fsdp import init_distributed, lazy_init_all, wrap_model_fsdp
+from metaseq.distributed.fsdp import init_distributed, lazy_init_all, start_ranks, wrap_model_fsdp
 from metaseq.file_io import atomic_torch_save, load_checkpoint
 from metaseq.hub_utils import (
     NEWLINE,
@@ -73,7 +72,7 @@ def test_fsdp_sharded_logits_match_consolidated_model(resharded, tmp_path):
     files = [str(dirs[W] / f"checkpoint_last-model_part-0-shard{r}.pt") for r in range(W)]
     out_path = str(tmp_path / "fsdp_logits.pt")
     init_method = "file://" + str(tmp_path / "rendezvous")
-    mp.spawn(_fsdp_logits_worker, args=(files, init_method, out_path), nprocs=W, join=True)
+    start_ranks(_fsdp_logits_worker, (files, init_method, out_path), W)
     fsdp_logits = torch.load(out_path)
     for path in (str(consolidated), str(dirs[W] / "checkpoint_last.pt")):  # file, and shards in memory
         model = GeneratorInterface.from_checkpoint(path).model

@@ -30,12 +30,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from metaseq import checkpoint_utils
 from metaseq.data import LineDataset, load_lines
-from metaseq.distributed.fsdp import init_distributed
+from metaseq.distributed.fsdp import init_distributed, start_ranks
 from metaseq.distributed.model_parallel import (
     RankLayout,
     build_fsdp_model,
@@ -85,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     d, m = TrainConfig, ModelConfig
     p.add_argument("--data", required=True, help="plain-text file, one training example per line")
     p.add_argument("--save-dir", required=True)
-    p.add_argument("--world-size", type=int, default=d.world_size, help="ranks to spawn (a multiple of --model-parallel-size)")
+    p.add_argument("--world-size", type=int, default=d.world_size, help="ranks to start on this machine (a multiple of --model-parallel-size)")
     p.add_argument(
         "--model-parallel-size", type=int, default=d.model_parallel_size,
         help="tensor model-parallel parts P; each is FSDP-sharded over --world-size / P ranks",
@@ -251,7 +250,7 @@ def configure_logging() -> None:
 
 
 def train_worker(rank: int, cfg: TrainConfig, init_method: str) -> None:
-    configure_logging()  # a spawned rank is a fresh interpreter
+    configure_logging()  # a spawned rank (with CUDA) is a fresh interpreter
     device = init_distributed(rank, cfg.world_size, init_method)
     layout = RankLayout(rank, cfg.world_size, cfg.model_parallel_size)
     try:
@@ -302,11 +301,11 @@ def save(model: Any, optimizer: torch.optim.Optimizer, cfg: TrainConfig, model_c
 
 
 def launch(cfg: TrainConfig) -> None:
-    """Spawn `cfg.world_size` ranks that rendezvous through a file in a temp dir."""
+    """Start `cfg.world_size` ranks that rendezvous through a file in a temp dir."""
     os.makedirs(cfg.save_dir, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="metaseq-rdzv-") as tmp:
         init_method = "file://" + os.path.join(tmp, "rendezvous")
-        mp.spawn(train_worker, args=(cfg, init_method), nprocs=cfg.world_size, join=True)
+        start_ranks(train_worker, (cfg, init_method), cfg.world_size)
 
 
 def main(argv: list[str] | None = None) -> int:
