@@ -11,10 +11,10 @@ $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 
 # Re-run the install when the pins or the package metadata change.
-# --no-compile: Python compiles only the modules it imports, on first import, instead of
-# every file of every package now (transformers alone is thousands).
+# pip byte-compiles what it installs: keep it so, as with PYTHONDONTWRITEBYTECODE set
+# (as on the CI machines) every process would otherwise compile torch again at import.
 $(STAMP): $(VENV)/bin/python setup.py constraints.txt
-	$(PY) -m pip install -q --no-compile -c constraints.txt torch==2.13.0 -e ".[test,hf]"
+	$(PY) -m pip install -q -c constraints.txt torch==2.13.0 -e ".[test,hf]"
 	touch $(STAMP)
 
 # Tests run in TEST_WORKERS pytest-xdist workers, a test file per worker at a time (module

@@ -479,7 +479,8 @@ def _gather(copies: Sequence[Copy], lo: int, out: memoryview, dtype: DType) -> N
     import numpy as np
 
     target = np.frombuffer(out, np.uint8)
-    target.fill(0)
+    if sum(c.numel * c.count for c in copies) * dtype.itemsize < len(out):  # copies do not cover it all
+        target.fill(0)
     by_source: dict[Any, list[Copy]] = {}
     for copy in copies:
         by_source.setdefault(id(copy.source), []).append(copy)
