@@ -123,7 +123,7 @@ def side_by_side(columns: Sequence[Sequence[tuple[int, list[Span]]]]) -> list[Sp
 
 
 class SpanIndex:
-    """Spans laid end to end, sliced many times (a model-parallel cut takes one slice per row)."""
+    """Spans laid end to end, sliced many times (a model-parallel cut slices them row by row)."""
 
     def __init__(self, spans: Sequence[Span | Tile]) -> None:
         self.spans = list(spans)
