@@ -856,8 +856,10 @@ def write_checkpoint(fd: int, obj: Any, *, archive: str = "archive", crc32: bool
         spans = ((c.dst_offset, c.extent(storage.dtype.itemsize)) for c in storage.copies)
         for start, nbytes in gaps(spans, storage.nbytes):  # padding (copies side by side fill each other's gaps)
             _write_zeros(fd, entry.data_offset + start, nbytes)
-        if any(c.count > 1 for c in storage.copies) or len(storage.copies) > MANY_COPIES:
-            # rows of a model-parallel cut, or many small copies: gathered a window at a time
+        rows = any(c.count > 1 for c in storage.copies)  # a model-parallel cut on the second dim
+        if rows or (len(storage.copies) > MANY_COPIES and storage.nbytes <= WINDOW_BYTES):
+            # gathered a window at a time (a big storage of many plain copies, e.g. 256 -> 1, is
+            # copied file to file, input by input, like any other)
             plain = []
             for lo, hi, group in _windows(storage.copies, storage.dtype.itemsize):
                 if len(group) == 1 and group[0].count == 1:  # one big copy: file to file

@@ -144,8 +144,9 @@ def test_pieces_and_zero_padding_fill_a_new_tensor(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("window", [torchzip.WINDOW_BYTES, 100])
 def test_rows_and_many_copies_are_gathered_window_by_window(tmp_path: Path, monkeypatch, window: int) -> None:
-    """Model-parallel cuts: a column block of a weight (one repeating copy, cast on the way), and two
-    weights side by side (a copy per row, or two repeating copies), over storages many windows long."""
+    """Model-parallel cuts: a column block of a weight (one repeating copy, cast on the way) and two
+    weights side by side (two repeating copies) gathered over many windows; the same two weights as a
+    copy per row (gathered in one window, or copied file to file when the storage exceeds one)."""
     monkeypatch.setattr(torchzip, "WINDOW_BYTES", window)
     w, v = torch.randn(37, 10), torch.randn(37, 6)
     torch.save({"w": w, "v": v}, tmp_path / "in.pt")
