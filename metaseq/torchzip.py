@@ -473,7 +473,7 @@ def _gather(copies: Sequence[Copy], lo: int, out: memoryview, dtype: DType) -> N
     """Fill `out`, bytes [lo, lo + len(out)) of a storage of `dtype`, from `copies` (all inside it); zeros elsewhere.
 
     Each source is read in windows of up to WINDOW_BYTES that cover many copies at once
-    (a model-parallel cut takes one copy per row), so reads are few whatever the copies,
+    (a model-parallel cut makes many small ones), so reads are few whatever the copies,
     into a buffer this thread reuses; rows go from there to `out` in one strided copy each.
     """
     import numpy as np
@@ -513,11 +513,13 @@ _THREAD = threading.local()
 
 
 def _thread_buffer(name: str, size: int) -> memoryview:
-    """`size` bytes of this thread's buffer `name`, reused from call to call (a fresh buffer for
-    every window would cost a page fault per page)."""
+    """`size` bytes of this thread's WINDOW_BYTES buffer `name`, reused from call to call (a fresh
+    buffer for every window would cost a page fault per page); a fresh one if larger."""
+    if size > WINDOW_BYTES:
+        return memoryview(bytearray(size))
     buffer = getattr(_THREAD, name, None)
-    if buffer is None or len(buffer) < size:
-        buffer = bytearray(max(size, WINDOW_BYTES))
+    if buffer is None or len(buffer) != WINDOW_BYTES:
+        buffer = bytearray(WINDOW_BYTES)
         setattr(_THREAD, name, buffer)
     return memoryview(buffer)[:size]
 
