@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 import warnings
-
 from typing import Any, Callable
 
 import torch
@@ -18,8 +17,8 @@ from metaseq.distributed.cpu_compat import patch_fsdp_for_cpu
 __all__ = [
     "fsdp_instances",
     "init_distributed",
-    "start_ranks",
     "lazy_init_all",
+    "start_ranks",
     "wrap_model_fsdp",
 ]
 
