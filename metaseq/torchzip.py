@@ -286,15 +286,24 @@ class Record(NamedTuple):
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, ..., file name length, extra field length
 
 
-def read_at(source: str | bytes | memoryview, offset: int, size: int) -> bytes | memoryview:
+def read_at(source: str | bytes | memoryview, offset: int, size: int) -> bytearray | memoryview:
     """`size` bytes at `offset` of a file (by path) or of bytes in memory."""
     if not isinstance(source, str):
         return memoryview(source)[offset : offset + size]
-    with open(source, "rb") as f:
-        data = os.pread(f.fileno(), size, offset)
-    if len(data) != size:
-        raise OSError(errno.EIO, f"{source} ended early (changed while resharding?)")
-    return data
+    out = bytearray(size)
+    _read_into(source, offset, memoryview(out))
+    return out
+
+
+def _read_into(path: str, offset: int, view: memoryview) -> None:
+    """Fill `view` with the bytes at `offset` of the file `path`."""
+    with open(path, "rb") as f:
+        pos = 0
+        while pos < len(view):
+            n = os.preadv(f.fileno(), [view[pos:]], offset + pos)
+            if n == 0:
+                raise OSError(errno.EIO, f"{path} ended early (changed while resharding?)")
+            pos += n
 
 
 def zip_records(source: str | bytes) -> dict[str, Record]:
@@ -528,13 +537,8 @@ def _read_window(source: str | bytes | memoryview, offset: int, size: int) -> me
     """`size` bytes at `offset` of `source`; a file's in this thread's read buffer, until its next call."""
     if not isinstance(source, str):
         return memoryview(source)[offset : offset + size]
-    view, pos = _thread_buffer("read", size), 0
-    with open(source, "rb") as f:
-        while pos < size:
-            n = os.preadv(f.fileno(), [view[pos:]], offset + pos)
-            if n == 0:
-                raise OSError(errno.EIO, f"{source} ended early (changed while resharding?)")
-            pos += n
+    view = _thread_buffer("read", size)
+    _read_into(source, offset, view)
     return view
 
 

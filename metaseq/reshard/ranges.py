@@ -167,8 +167,7 @@ def _cut(item: Span | Tile, a: int, b: int) -> list[Span | Tile]:
     """Elements [a, b) of one span or tile (of its output side)."""
     if isinstance(item, Span) and item.count == 1:
         return [Span(item.input, item.path, item.start + a, b - a)]
-    spans = item.spans if isinstance(item, Tile) else (item,)
-    width = sum(s.length for s in spans)
+    spans, width = (item.spans, item.width) if isinstance(item, Tile) else ((item,), item.length)
     (r0, c0), (r1, c1) = divmod(a, width), divmod(b, width)
     if r0 == r1:
         return _row(spans, r0, c0, c1)
