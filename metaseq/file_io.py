@@ -77,7 +77,17 @@ def find_shards(pattern: str, *, flag: str = "--input-glob-pattern") -> list[str
     paths = _glob_files(pattern, flag)
     if len(paths) == 1:
         return paths
-    _check_one_part(paths)
+    parts = [_last_int(_PART_RE, p) for p in paths]
+    if None in parts and any(part is not None for part in parts):
+        example = next(p for p, part in zip(paths, parts) if part is not None)
+        raise UserError(f"{paths[parts.index(None)]}: not a model part's shard like {example}; "
+                        f"narrow {flag} so that it matches only the shards")
+    if len(set(parts)) > 1:
+        raise UserError(
+            f"inputs mix model parts {sorted(set(parts))} ({_few(paths)}); reshard one model part "
+            "at a time, e.g. --input-glob-pattern '...-model_part-0-shard*.pt', or every part with '{j}' "
+            "in both names: '...-model_part-{j}-shard*.pt' and '...-model_part-{j}-shard{i}.pt'"
+        )
     return _order_shards(paths, flag)
 
 
@@ -118,9 +128,8 @@ def _glob_files(pattern: str, flag: str) -> list[str]:
 
 def _order_shards(paths: Sequence[str], flag: str) -> list[str]:
     """Shard files of one part in index order; indices exactly 0..N-1."""
-    indices = _shard_indices(paths)
     seen: dict[int, str] = {}
-    for path, index in zip(paths, indices):
+    for path, index in zip(paths, _shard_indices(paths)):
         if index in seen:
             raise UserError(f"shard index {index} appears twice: {seen[index]} and {path}")
         seen[index] = path
@@ -133,41 +142,23 @@ def _order_shards(paths: Sequence[str], flag: str) -> list[str]:
     return [seen[i] for i in range(len(paths))]
 
 
-def _check_one_part(paths: Sequence[str]) -> None:
-    parts = [_last_int(_PART_RE, p) for p in paths]
-    numbered = [p for p in parts if p is not None]
-    if numbered and None in parts:
-        stray = paths[parts.index(None)]
-        raise UserError(
-            f"{stray}: not a model part's shard like {paths[parts.index(numbered[0])]}; "
-            "narrow --input-glob-pattern so that it matches only the shards"
-        )
-    if len(set(numbered)) > 1:
-        raise UserError(
-            f"inputs mix model parts {sorted(set(numbered))} ({_few(paths)}); reshard one model part "
-            "at a time, e.g. --input-glob-pattern '...-model_part-0-shard*.pt', or every part with '{j}' "
-            "in both names: '...-model_part-{j}-shard*.pt' and '...-model_part-{j}-shard{i}.pt'"
-        )
-
-
 def _shard_indices(paths: Sequence[str]) -> list[int]:
     """`shardK` in every name, or the one number that differs between the names."""
     indices = [_last_int(_SHARD_RE, p) for p in paths]
     if None not in indices:
         return indices
-    splits = [re.split(r"(\d+)", p) for p in paths]
-    shape = [part if i % 2 == 0 else "#" for i, part in enumerate(splits[0])]
-    for path, split in zip(paths, splits):
-        if [part if i % 2 == 0 else "#" for i, part in enumerate(split)] != shape:
+    templates = [re.sub(r"\d+", "#", p) for p in paths]
+    for path, template in zip(paths, templates):
+        if template != templates[0]:
             odd = path if _last_int(_SHARD_RE, path) is None else paths[0]
             raise UserError(f"{odd}: no shard index ('shardK') in its name like the other inputs; "
                             "cannot order the inputs")
-    varying = {tuple(int(s[i]) for s in splits) for i in range(1, len(shape), 2)}
-    varying = [v for v in varying if len(set(v)) > 1]
+    numbers = zip(*([int(n) for n in re.findall(r"\d+", p)] for p in paths))
+    varying = {column for column in numbers if len(set(column)) > 1}
     if len(varying) != 1:
         raise UserError(f"{_few(paths)}: cannot tell which number in the names is the shard index; "
                         "name the files '...shard{i}.pt'")
-    return list(varying[0])
+    return list(varying.pop())
 
 
 def _last_int(pattern: re.Pattern, path: str) -> int | None:

@@ -104,8 +104,13 @@ def close_world(created: bool) -> None:
         dist.destroy_process_group()
 
 
-def agree(world: World, fn: Callable[[], T]) -> T:
-    """Run `fn` on every rank; if it failed anywhere, every rank raises the first failure's message."""
+def agree(world: World | None, fn: Callable[[], T]) -> T:
+    """Run `fn` on every rank; if it failed anywhere, every rank raises the first failure's message.
+
+    Alone (no world, or one rank) it is just `fn()`.
+    """
+    if world is None or world.size == 1:
+        return fn()
     import torch.distributed as dist
 
     value, error = None, None

@@ -52,6 +52,7 @@ __all__ = [
     "plan_model_parallel",
     "plan_reshard",
     "plan_structures",
+    "read_inputs",
     "summarize_plan",
     "tensor_ref",
 ]
@@ -131,14 +132,19 @@ def plan_model_parallel(options: ReshardOptions) -> Plan:
                 options.input_glob_pattern)
     inputs = read_inputs(paths, trust=options.trust_checkpoint)
     structures = [i.structure for i in inputs]
-    _check_declared_parts(structures[0], groups)
+    declared = _cfg_field(structures[0], "common", "model_parallel_size")
+    if isinstance(declared, int) and declared > len(groups):
+        raise ReshardError(
+            f"model_part-{len(groups)} is missing: cfg['common']['model_parallel_size'] of {groups[0][0]} says the "
+            f"model has {declared} parts but --input-glob-pattern matches {len(groups)}"
+        )
     parts, first = [], 0
     for group in groups:
         source = analyze_inputs(structures[first : first + len(group)], group, options)
         parts.append(shift_inputs(source.model, source.optim, first))
         first += len(group)
     num_parts, num_shards = options.num_output_parts, options.num_output_shards
-    heads = _cfg_model(structures[0], "decoder_attention_heads")
+    heads = _cfg_field(structures[0], "model", "decoder_attention_heads")
     shapes = global_shapes([model for model, _ in parts])
     check_parts_fit(shapes, num_parts, heads)
     names = _part_names(options, num_parts, paths)
@@ -151,23 +157,11 @@ def plan_model_parallel(options: ReshardOptions) -> Plan:
     return _checked(Plan(options, tuple(inputs), files[0].source, tuple(files)))
 
 
-def _check_declared_parts(structure: Mapping[str, Any], groups: Sequence[Sequence[str]]) -> None:
-    """The inputs hold every part their cfg says the model has."""
+def _cfg_field(structure: Mapping[str, Any], section: str, field: str) -> Any:
+    """cfg[section][field], whether the section is a dict or a (carried) argparse.Namespace; None if absent."""
     cfg = structure.get("cfg")
-    common = cfg.get("common") if isinstance(cfg, Mapping) else None
-    declared = common.get("model_parallel_size") if isinstance(common, Mapping) else None
-    if isinstance(declared, int) and declared > len(groups):
-        raise ReshardError(
-            f"model_part-{len(groups)} is missing: cfg['common']['model_parallel_size'] of {groups[0][0]} says the "
-            f"model has {declared} parts but --input-glob-pattern matches {len(groups)}"
-        )
-
-
-def _cfg_model(structure: Mapping[str, Any], field: str) -> Any:
-    """cfg['model'][field], whether cfg['model'] is a dict or a (carried) argparse.Namespace; None if absent."""
-    cfg = structure.get("cfg")
-    model = cfg.get("model") if isinstance(cfg, Mapping) else None
-    fields = model.state if isinstance(model, Opaque) else model
+    fields = cfg.get(section) if isinstance(cfg, Mapping) else None
+    fields = fields.state if isinstance(fields, Opaque) else fields
     return fields.get(field) if isinstance(fields, Mapping) else None
 
 
@@ -179,9 +173,7 @@ def _part_names(options: ReshardOptions, num_parts: int, inputs: Sequence[str]) 
             f"--num-output-parts={num_parts} but --output-shard-name {name!r} has no 'model_part-{PART}' (the model "
             "part, as the tools read it back); e.g. 'out/checkpoint_last-model_part-{j}-shard{i}.pt'"
         )
-    if re.search(r"\d\{j\}|\{j\}\d", name):
-        raise ReshardError(f"--output-shard-name {name!r}: digits next to '{PART}' would make the model part "
-                           "unreadable when the files are read back; separate them, e.g. '...-model_part-{j}-...'")
+    _check_readable(name, PART, "model part", "'...-model_part-{j}-...'")
     return [output_paths(name.replace(PART, str(q)), options.num_output_shards, inputs, overwrite=options.overwrite)
             for q in range(num_parts)]
 
@@ -222,11 +214,7 @@ def output_paths(output_shard_name: str, num_output_shards: int, inputs: Sequenc
             f"--num-output-shards={num_output_shards} but --output-shard-name {output_shard_name!r} has no "
             "'{i}'; add it where the shard index goes, e.g. 'out/reshard-model_part-0-shard{i}.pt'"
         )
-    if re.search(r"\d\{i\}|\{i\}\d", output_shard_name):
-        raise ReshardError(
-            f"--output-shard-name {output_shard_name!r}: digits next to '{{i}}' would make the shard index "
-            "unreadable when the files are read back; separate them, e.g. '...-shard{i}.pt'"
-        )
+    _check_readable(output_shard_name, "{i}", "shard index", "'...-shard{i}.pt'")
     outputs = [output_shard_name.replace("{i}", str(i)) for i in range(num_output_shards)]
     real_inputs = {os.path.realpath(p) for p in inputs}
     for path in outputs:
@@ -239,6 +227,13 @@ def output_paths(output_shard_name: str, num_output_shards: int, inputs: Sequenc
         shown = ", ".join(existing[:3]) + (f", ... ({len(existing)} files)" if len(existing) > 3 else "")
         raise ReshardError(f"{shown} already exist(s); pass --overwrite to replace")
     return outputs
+
+
+def _check_readable(name: str, placeholder: str, what: str, example: str) -> None:
+    """Refuse digits next to a placeholder: the files' numbers could not be read back."""
+    if re.search(rf"\d{re.escape(placeholder)}|{re.escape(placeholder)}\d", name):
+        raise ReshardError(f"--output-shard-name {name!r}: digits next to '{placeholder}' would make the {what} "
+                           f"unreadable when the files are read back; separate them, e.g. {example}")
 
 
 def read_inputs(paths: Sequence[str], *, trust: bool = False) -> list[InputFile]:

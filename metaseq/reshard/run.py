@@ -13,7 +13,7 @@ planning on checkpoint dicts already in memory, for loaders that hold them.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from metaseq.errors import ReshardError
 from metaseq.reshard import distributed as dist_run
@@ -21,7 +21,7 @@ from metaseq.reshard.distributed import World
 from metaseq.reshard.options import ReshardOptions
 from metaseq.reshard.plan import InputFile, Plan, assemble_output, plan_reshard, plan_structures, summarize_plan
 from metaseq.reshard.progress import make_progress
-from metaseq.reshard.write import Job, available_cpus, list_jobs, remove_outputs, write_outputs
+from metaseq.reshard.write import available_cpus, list_jobs, remove_outputs, write_outputs
 from metaseq.torchzip import from_torch, to_torch
 
 __all__ = ["consolidate_shards", "reshard", "reshard_fsdp_checkpoints", "reshard_shards"]
@@ -35,81 +35,45 @@ def reshard(options: ReshardOptions, *, world: World | None = None) -> list[Plan
     Raises ReshardError (or CheckpointLoadError) before writing anything when inputs or
     options are wrong; a failure while writing or verifying removes this run's outputs.
     """
-    if world is None:
-        plans = plan_reshard(options)
-        if not options.dry_run:
-            _check_inputs(plans, options)
-            written = _write(plans, list_jobs(plans), options, cpus=available_cpus())
-            _guard(written, lambda: _verify(plans, options))
-        return plans
-    created = dist_run.open_world(world)
+    created = world is not None and dist_run.open_world(world)
     try:
         plans = dist_run.agree(world, lambda: plan_reshard(options))
         if not options.dry_run:
-            _run_on_world(world, plans, options)
+            _write_and_verify(world or World(0, 1), plans, options)
         return plans
     finally:
         dist_run.close_world(created)
 
 
-def _check_inputs(plans: Sequence[Plan], options: ReshardOptions) -> None:
+def _write_and_verify(world: World, plans: Sequence[Plan], options: ReshardOptions) -> None:
+    """Rank r writes jobs r, r + size, ... and verifies parts r, r + size, ...; every phase ends with
+    the ranks agreeing that it succeeded. Inputs are checked first: a corrupt one writes nothing."""
+    jobs = list_jobs(plans)
+    mine, shared = jobs[world.rank :: world.size], plans[world.rank :: world.size]
     if options.verify:
-        from metaseq.reshard.verify import check_input_checksums
+        from metaseq.reshard.verify import check_input_checksums, verify_reshard_outputs  # imports torch
 
-        for plan in plans:
-            check_input_checksums(plan)  # before writing: a corrupt input writes nothing
-
-
-def _write(plans: Sequence[Plan], jobs: Sequence[Job], options: ReshardOptions, *, cpus: int,
-           label: str = "reshard", quiet: bool = False) -> list[str]:
-    """Write `jobs`, all or nothing; returns the paths written."""
+        dist_run.agree(world, lambda: [check_input_checksums(plan) for plan in shared])
     for plan in plans:
         into = f" into {plan.outputs[0].path}{', ...' if len(plan.outputs) > 1 else ''}" if len(plans) > 1 else ""
         logger.info("resharding %s%s", summarize_plan(plan), into)
-    workers = options.num_workers or max(1, min(cpus, len(jobs)))
-    progress = make_progress(sum(j.out.nbytes for j in jobs), len(jobs), quiet=options.quiet or quiet, label=label)
-    return write_outputs(jobs, num_workers=workers, progress=progress, crc32=options.verify)
-
-
-def _verify(plans: Sequence[Plan], options: ReshardOptions) -> None:
-    """`--verify` after writing; on failure `verify_reshard_outputs` removes that part's outputs."""
-    if options.verify:
-        from metaseq.reshard.verify import verify_reshard_outputs  # imports torch
-
-        for plan in plans:
-            logger.info("%s", verify_reshard_outputs(plan))
-
-
-def _guard(written: Sequence[str], step: Callable[[], None]) -> None:
-    """Run `step`; if it fails, remove the outputs written before raising."""
-    try:
-        step()
-    except BaseException:
-        remove_outputs(written)
-        raise
-
-
-def _run_on_world(world: World, plans: Sequence[Plan], options: ReshardOptions) -> None:
-    """Rank r writes jobs r, r + size, ...; every phase ends with the ranks agreeing that it succeeded."""
-    jobs = list_jobs(plans)
-    mine = [j for j in jobs if j.index % world.size == world.rank]
-    shared = plans[world.rank :: world.size]  # --verify work, spread by part
-    dist_run.agree(world, lambda: _check_inputs(shared, options))
+    workers = options.num_workers or max(1, min(available_cpus(world.local_size), len(mine)))
+    label = "reshard" if world.size == 1 else f"rank 0 of {world.size}"
+    progress = make_progress(sum(j.out.nbytes for j in mine), len(mine), quiet=options.quiet or world.rank != 0,
+                             label=label)
     written: list[str] = []
     try:
-        cpus, label = available_cpus(world.local_size), f"rank 0 of {world.size}"
-        quiet = world.rank != 0  # one progress display: rank 0's
-        dist_run.agree(world, lambda: written.extend(_write(plans, mine, options, cpus=cpus, label=label,
-                                                            quiet=quiet)))
-        dist_run.agree(world, lambda: _verify(shared, options))
-    except ReshardError:  # raised by `agree` on every rank alike
+        dist_run.agree(world, lambda: written.extend(write_outputs(mine, num_workers=workers, progress=progress,
+                                                                   crc32=options.verify)))
+        if options.verify:  # on failure `verify_reshard_outputs` removes that part's outputs
+            dist_run.agree(world, lambda: [logger.info("%s", verify_reshard_outputs(p)) for p in shared])
+    except BaseException as e:
         remove_outputs(written)
-        dist_run.barrier()  # no rank exits (and gets the launcher to kill the rest) before all have cleaned up
+        if world.size > 1 and isinstance(e, ReshardError):  # raised by `agree` on every rank alike
+            dist_run.barrier()  # no rank exits (and gets the launcher to kill the rest) before all have cleaned up
         raise
-    except BaseException:
-        remove_outputs(written)
-        raise
-    logger.info("%d ranks wrote %d file(s)", world.size, len(jobs))
+    if world.size > 1:
+        logger.info("%d ranks wrote %d file(s)", world.size, len(jobs))
 
 
 def reshard_fsdp_checkpoints(input_glob_pattern: str, output_shard_name: str, **options: Any) -> list[str]:

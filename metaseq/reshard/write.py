@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import NamedTuple, Sequence
 
 from metaseq.errors import ReshardError
@@ -77,11 +77,18 @@ def write_outputs(jobs: Sequence[Job], *, num_workers: int = 1, progress: Progre
             for job in jobs:
                 run(job)
         else:
-            _run_in_threads(run, jobs, min(num_workers, len(jobs)))
+            with ThreadPoolExecutor(min(num_workers, len(jobs)), thread_name_prefix="reshard-writer") as pool:
+                futures = [pool.submit(run, job) for job in jobs]
+                try:
+                    for future in as_completed(futures):
+                        future.result()
+                except BaseException:
+                    pool.shutdown(cancel_futures=True)  # the running copies finish; their files are removed below
+                    raise
     except BaseException:
         # Also outputs renamed into place just before the error, not yet in `written`.
         now = _file_ids(paths)
-        remove_outputs([p for p in paths if now[p] is not None and now[p] != before[p]], paths)
+        remove_outputs([p for p in paths if now.get(p, before.get(p)) != before.get(p)], paths)
         raise
     finally:
         progress.close()
@@ -104,30 +111,12 @@ def _write_one(job: Job, crc32: bool, report: object) -> int:
         raise ReshardError(f"{job.out.path}: cannot write ({e.strerror or e})") from e
 
 
-def _run_in_threads(run: object, jobs: Sequence[Job], num_workers: int) -> None:
-    with ThreadPoolExecutor(num_workers, thread_name_prefix="reshard-writer") as pool:
-        futures = [pool.submit(run, job) for job in jobs]
-        try:
-            wait(futures, return_when=FIRST_EXCEPTION)
-            for future in futures:
-                if future.done() and future.exception() is not None:
-                    raise future.exception()
-        except BaseException:
-            for future in futures:
-                future.cancel()
-            wait(futures)  # the running copies finish; their files are then removed with the rest
-            raise
-
-
-def _file_ids(paths: Sequence[str]) -> dict[str, tuple[int, int] | None]:
+def _file_ids(paths: Sequence[str]) -> dict[str, tuple[int, int]]:
     """(device, inode) per existing path: a file this run renamed into place has a new one."""
-    ids: dict[str, tuple[int, int] | None] = {}
+    ids = {}
     for path in paths:
-        try:
+        with contextlib.suppress(OSError):
             stat = os.stat(path)
-        except OSError:
-            ids[path] = None
-        else:
             ids[path] = (stat.st_dev, stat.st_ino)
     return ids
 
