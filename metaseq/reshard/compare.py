@@ -21,18 +21,10 @@ from metaseq.reshard.options import ReshardOptions
 from metaseq.reshard.plan import InputFile, Source, analyze_inputs, output_tensors, read_inputs, tensor_ref
 from metaseq.reshard.ranges import OutTensor, Run
 from metaseq.reshard.schema import OPTIM, clean_key, is_tensor
-from metaseq.torchzip import Opaque, pickle_bytes, to_torch
+from metaseq.torchzip import DType, Opaque, pickle_bytes, to_torch
 
-__all__ = [
-    "Comparison",
-    "Difference",
-    "TensorSet",
-    "compare_tensor_sets",
-    "describe_comparison",
-    "open_tensor_set",
-    "tensor_difference",
-    "tensor_set_from_source",
-]
+__all__ = ["Comparison", "Difference", "TensorSet", "compare_tensor_sets", "describe_comparison", "open_tensor_set",
+           "tensor_difference", "tensor_set_from_source"]
 
 CHUNK_ELEMENTS = 1 << 24  # differences are computed in float64 chunks of this many elements
 OptimKey = tuple[str, str]  # (parameter name, state name), e.g. ("decoder.x.weight", "exp_avg")
@@ -52,10 +44,6 @@ class TensorSet:
     note: str = ""  # why optimizer state cannot be compared, if so
     scales: dict[OptimKey, list[float]] = field(default_factory=dict)  # per input: fp16 moment x scale = value
 
-    @property
-    def paths(self) -> tuple[str, ...]:
-        return tuple(i.path for i in self.inputs)
-
     def read(self, tensor: OutTensor, key: Any = None) -> torch.Tensor:
         """The tensor; moments stored with a per-rank scale (--fp16-adam-stats) as their values."""
         out = to_torch(tensor_ref(tensor, self.inputs))
@@ -71,18 +59,13 @@ class TensorSet:
 def open_tensor_set(paths: Sequence[str], *, trust: bool = False, skip_optimizer_state: bool = False) -> TensorSet:
     """Validate and open the files of one checkpoint (ordered by shard index); reads only pickles."""
     inputs = read_inputs(paths, trust=trust)
-    first = inputs[0].structure
-    if len(paths) == 1 and isinstance(first, Mapping) and "shard_metadata" not in first and not _has_flat_params(first):
+    first, model = inputs[0].structure, inputs[0].structure.get("model")
+    # flat parameters without shard_metadata: analyze_inputs explains why that cannot work
+    flat = isinstance(model, Mapping) and any("flat_param_" in str(k) for k in model)
+    if len(paths) == 1 and "shard_metadata" not in first and not flat:
         return _plain_tensor_set(inputs[0], skip_optimizer_state)
-    structures = [i.structure for i in inputs]
-    source = analyze_inputs(structures, list(paths), ReshardOptions(skip_optimizer_state=skip_optimizer_state))
-    return tensor_set_from_source(source, inputs)
-
-
-def _has_flat_params(checkpoint: Mapping[str, Any]) -> bool:
-    """An FSDP shard saved without its metadata: analyze_inputs explains why that cannot work."""
-    model = checkpoint.get("model")
-    return isinstance(model, Mapping) and any("flat_param_" in str(k) for k in model)
+    options = ReshardOptions(skip_optimizer_state=skip_optimizer_state)
+    return tensor_set_from_source(analyze_inputs([i.structure for i in inputs], list(paths), options), inputs)
 
 
 def tensor_set_from_source(source: Source, inputs: Sequence[InputFile], output_dtype: str | None = None) -> TensorSet:
@@ -90,7 +73,7 @@ def tensor_set_from_source(source: Source, inputs: Sequence[InputFile], output_d
 
     `output_dtype` casts floating model tensors like `--output-dtype` does.
     """
-    layout = source.model
+    layout, shard0 = source.model, inputs[0].structure
     names = {g: layout.flat_params[k].names[j] for g, k, j in global_params(layout)}
     model: dict[str, OutTensor] = {}
     optim: dict[OptimKey, OutTensor] | None = None if source.optim is None else {}
@@ -102,53 +85,40 @@ def tensor_set_from_source(source: Source, inputs: Sequence[InputFile], output_d
             model[".".join(target.path)] = target
         else:  # (OPTIM, "state", global id, state name)
             optim[(names[target.path[2]], target.path[3])] = target
-    shard0 = inputs[0].structure
-    own = {}  # an unflattened file stores each tied copy under its own name
-    if layout.unflattened:
-        own = {clean_key(str(k)): (k, v) for k, v in shard0["model"].items() if is_tensor(v)}
-    for src, dst in layout.ties:
-        model[dst] = _tie_target(model[src], dst, own, options)
+    stored = {clean_key(str(k)): k for k, v in shard0["model"].items() if is_tensor(v)} if layout.unflattened else {}
+    for src, dst in layout.ties:  # an unflattened file stores each tied copy under its own name: read that
+        if dst in stored:
+            model[dst] = _whole(dst, ("model", stored[dst]), shard0["model"][stored[dst]], options.dtype)
+        else:
+            model[dst] = model[src]._replace(path=("model", dst))
     buffers = frozenset(e.key for e in layout.extras if e.shape is not None)
-    files = len(inputs)
-    form = "1 unflattened file" if layout.unflattened else f"{files} flat shard{'s' if files > 1 else ''}"
-    scalars, settings = ({}, {}) if source.optim is None else _optim_scalars(source, names, shard0[OPTIM])
-    return TensorSet(tuple(inputs), form, model, buffers, optim, scalars, settings, scales=_scales(source, names))
+    form = "1 unflattened file" if layout.unflattened else f"{len(inputs)} flat shard{'s' * (len(inputs) > 1)}"
+    scalars, settings, scales = ({}, {}, {}) if source.optim is None else _optim_extras(source, names, shard0[OPTIM])
+    return TensorSet(tuple(inputs), form, model, buffers, optim, scalars, settings, scales=scales)
 
 
-def _scales(source: Source, names: Mapping[int, str]) -> dict[OptimKey, list[float]]:
-    """Per-element states stored with a per-rank scale state `NAME_scale` (--fp16-adam-stats): the scales."""
-    scales: dict[OptimKey, list[float]] = {}
-    for g, k, _ in global_params(source.model) if source.optim is not None else ():
+def _whole(name: str, path: tuple, tensor: Any, cast: DType | None = None) -> OutTensor:
+    """Model tensor `name`: all of input 0's `tensor` at `path`, cast to `cast` if floating."""
+    dtype = cast if cast is not None and tensor.dtype.is_floating_point else tensor.dtype
+    n = tensor.numel()
+    return OutTensor(("model", name), tensor.shape, dtype, (Run(0, path, 0, 0, n),) if n else ())
+
+
+def _optim_extras(source: Source, names: Mapping[int, str], osd0: Mapping[str, Any]) -> tuple[dict, dict, dict]:
+    """The optimizer's scalars, settings and the per-input scales of states with a `NAME_scale` state
+    (--fp16-adam-stats)."""
+    scalars, scales = {}, {}
+    for g, k, _ in global_params(source.model):
         entries = {e.name: e for e in source.optim.entries.get(k, ())}
         for name, entry in entries.items():
             scale = entries.get(f"{name}_scale")
-            if entry.segments is not None and scale is not None and len(scale.values) == len(source.model.labels):
-                scales[(names[g], name)] = [v.value() if is_tensor(v) else float(v) for v in scale.values]
-    return scales
-
-
-def _tie_target(src: OutTensor, dst: str, own: Mapping[str, tuple[Any, Any]], options: ReshardOptions) -> OutTensor:
-    """A tied copy: read from its own tensor where the file has one (unflattened), else from `src`."""
-    if dst not in own:
-        return src._replace(path=("model", dst))
-    key, tensor = own[dst]
-    n = tensor.numel()
-    runs = (Run(0, ("model", key), 0, 0, n),) if n else ()
-    dtype = options.dtype if options.dtype is not None and tensor.dtype.is_floating_point else tensor.dtype
-    return OutTensor(("model", dst), tensor.shape, dtype, runs)
-
-
-def _optim_scalars(
-    source: Source, names: Mapping[int, str], osd0: Mapping[str, Any]
-) -> tuple[dict[OptimKey, Any], dict[str, Any]]:
-    scalars = {}
-    for g, k, _ in global_params(source.model):
-        for entry in source.optim.entries.get(k, ()):
             if entry.segments is None:
-                scalars[(names[g], entry.name)] = _plain_scalar(entry.values[0])
+                scalars[(names[g], name)] = _plain_scalar(entry.values[0])
+            elif scale is not None and len(scale.values) == len(source.model.labels):
+                scales[(names[g], name)] = [v.value() if is_tensor(v) else float(v) for v in scale.values]
     settings = {key: value for key, value in osd0.items() if key not in (*LAYOUT_KEYS, "param_groups")}
     settings["param_groups"] = [{k: v for k, v in group.items() if k != "params"} for group in osd0["param_groups"]]
-    return scalars, to_torch(settings)
+    return scalars, to_torch(settings), scales
 
 
 def _plain_scalar(value: Any) -> Any:
@@ -169,13 +139,10 @@ def _plain_tensor_set(item: InputFile, skip_optimizer_state: bool) -> TensorSet:
             raise ReshardError(f"{path}: neither FSDP shards nor a state dict (no 'model' dict of tensors)")
         state_dict, prefix = structure, ()
     model = {}
-    for key, value in state_dict.items():
-        if is_tensor(value):
-            if not value.is_contiguous():
-                raise ReshardError(f"{path}: model['{key}'] is a non-contiguous view; cannot compare it")
-            n = value.numel()
-            runs = (Run(0, (*prefix, key), 0, 0, n),) if n else ()
-            model[clean_key(str(key))] = OutTensor(("model", clean_key(str(key))), value.shape, value.dtype, runs)
+    for key, value in ((k, v) for k, v in state_dict.items() if is_tensor(v)):
+        if not value.is_contiguous():
+            raise ReshardError(f"{path}: model['{key}'] is a non-contiguous view; cannot compare it")
+        model[clean_key(str(key))] = _whole(clean_key(str(key)), (*prefix, key), value)
     note = ""
     if structure.get(OPTIM) is not None and not skip_optimizer_state:
         note = f"{path} has no shard_metadata, so its optimizer state ids cannot be matched to parameter names"
@@ -202,9 +169,7 @@ class Comparison:
         return not self.differences
 
 
-def compare_tensor_sets(
-    a: TensorSet, b: TensorSet, *, atol: float = 0.0, exact_dtype: bool = False
-) -> Comparison:
+def compare_tensor_sets(a: TensorSet, b: TensorSet, *, atol: float = 0.0, exact_dtype: bool = False) -> Comparison:
     """Compare every tensor by name, one pair in memory at a time.
 
     Values are equal when their max abs difference is at most `atol` (NaN equals only
@@ -212,14 +177,14 @@ def compare_tensor_sets(
     Optimizer state is compared only when both sides have it (a note says otherwise).
     """
     result = Comparison()
-    result.model_tensors = _compare_targets(a, b, a.model, b.model, str, atol, exact_dtype, result)
+    result.model_tensors = _compare_tensors(a, b, "model", str, result, atol=atol, exact_dtype=exact_dtype)
     if a.optim is None or b.optim is None:
         result.notes += [s.note for s in (a, b) if s.note]
         if (a.optim is None) != (b.optim is None) and not any(s.note for s in (a, b)):
             result.notes.append(f"optimizer state only in {'A' if b.optim is None else 'B'}; not compared")
         return result
     result.optimizer_compared = True
-    result.optimizer_tensors = _compare_targets(a, b, a.optim, b.optim, _optim_name, atol, exact_dtype, result)
+    result.optimizer_tensors = _compare_tensors(a, b, "optim", _optim_name, result, atol=atol, exact_dtype=exact_dtype)
     result.optimizer_scalars = _compare_values(a.optim_scalars, b.optim_scalars, _optim_name, result)
     _compare_values(a.optim_settings, b.optim_settings, lambda key: f"optimizer {key}", result)
     return result
@@ -229,42 +194,37 @@ def _optim_name(key: OptimKey) -> str:
     return f"optimizer {key[1]} of {key[0]}"
 
 
-def _compare_targets(
-    a: TensorSet,
-    b: TensorSet,
-    ta: Mapping[Any, OutTensor],
-    tb: Mapping[Any, OutTensor],
-    label: Callable[[Any], str],
-    atol: float,
-    exact_dtype: bool,
-    result: Comparison,
-) -> int:
-    result.differences += [Difference(label(k), "only in A") for k in ta if k not in tb]
-    result.differences += [Difference(label(k), "only in B") for k in tb if k not in ta]
+def _common(va: Mapping, vb: Mapping, label: Callable[[Any], str], result: Comparison) -> list:
+    """The keys on both sides; each key on one side only is a difference."""
+    result.differences += [Difference(label(k), "only in A") for k in va if k not in vb]
+    result.differences += [Difference(label(k), "only in B") for k in vb if k not in va]
+    return [k for k in va if k in vb]
+
+
+def _compare_tensors(a: TensorSet, b: TensorSet, which: str, label: Callable[[Any], str], result: Comparison,
+                     **how: Any) -> int:
+    """Compare the tensors of `which` ("model" or "optim"); returns how many had the same shape on both sides."""
+    ta, tb = getattr(a, which), getattr(b, which)
     compared, dtypes = 0, set()
-    for key in [k for k in ta if k in tb]:
-        x_target, y_target = ta[key], tb[key]
-        if x_target.shape != y_target.shape:
-            result.differences.append(Difference(label(key), f"shape {list(x_target.shape)} vs {list(y_target.shape)}"))
+    for key in _common(ta, tb, label, result):
+        x, y = ta[key], tb[key]
+        if x.shape != y.shape:
+            result.differences.append(Difference(label(key), f"shape {list(x.shape)} vs {list(y.shape)}"))
             continue
-        if x_target.dtype != y_target.dtype:
-            dtypes.add((x_target.dtype, y_target.dtype))
-        detail = tensor_difference(a.read(x_target, key), b.read(y_target, key), atol=atol, exact_dtype=exact_dtype)
+        dtypes.add((x.dtype, y.dtype))
+        detail = tensor_difference(a.read(x, key), b.read(y, key), **how)
         if detail is not None:
             result.differences.append(Difference(label(key), detail))
         compared += 1
-    for x, y in sorted(dtypes, key=str):
+    for x, y in sorted((pair for pair in dtypes if pair[0] != pair[1]), key=str):
         result.notes.append(f"some tensors are {_dtype(x)} in A and {_dtype(y)} in B; their values were compared")
     return compared
 
 
 def _compare_values(va: Mapping, vb: Mapping, label: Callable[[Any], str], result: Comparison) -> int:
-    result.differences += [Difference(label(k), "only in A") for k in va if k not in vb]
-    result.differences += [Difference(label(k), "only in B") for k in vb if k not in va]
-    common = [k for k in va if k in vb]
-    for key in common:
-        if not _same_value(va[key], vb[key]):
-            result.differences.append(Difference(label(key), f"{_short(va[key])} vs {_short(vb[key])}"))
+    common = _common(va, vb, label, result)
+    for key in (k for k in common if not _same_value(va[k], vb[k])):
+        result.differences.append(Difference(label(key), f"{_short(va[key])} vs {_short(vb[key])}"))
     return len(common)
 
 
@@ -296,9 +256,9 @@ def tensor_difference(x: torch.Tensor, y: torch.Tensor, *, atol: float = 0.0, ex
     if x.dtype == y.dtype and torch.equal(_bits(x), _bits(y)):
         return None
     diff = max_abs_diff(x, y)
-    if exact_dtype:
-        return f"max abs diff {diff:.6g}" + (" (same values, different bits)" if diff == 0 else "")
-    return None if diff <= atol else f"max abs diff {diff:.6g}"
+    if not exact_dtype and diff <= atol:
+        return None
+    return f"max abs diff {diff:.6g}" + (" (same values, different bits)" if diff == 0 else "")
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -310,26 +270,20 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 def max_abs_diff(x: torch.Tensor, y: torch.Tensor) -> float:
     """max |x - y| in float64, chunk by chunk; equal infinities and NaN against NaN count as 0."""
-    xs, ys, worst = x.reshape(-1), y.reshape(-1), 0.0
-    for start in range(0, xs.numel(), CHUNK_ELEMENTS):
-        dx = xs[start : start + CHUNK_ELEMENTS].double()
-        dy = ys[start : start + CHUNK_ELEMENTS].double()
+    worst = torch.zeros((), dtype=torch.float64)
+    for dx, dy in zip(x.reshape(-1).split(CHUNK_ELEMENTS), y.reshape(-1).split(CHUNK_ELEMENTS)):
+        dx, dy = dx.double(), dy.double()
         same = (dx == dy) | (dx.isnan() & dy.isnan())
-        delta = torch.where(same, torch.zeros_like(dx), (dx - dy).abs())
-        if delta.isnan().any():
-            return float("nan")
-        worst = max(worst, delta.max().item())
-    return worst
+        worst = torch.maximum(worst, torch.where(same, 0.0, (dx - dy).abs()).max())  # NaN propagates
+    return worst.item()
 
 
 def describe_comparison(comparison: Comparison, a: TensorSet, b: TensorSet) -> list[str]:
     """The report `compare_checkpoints` prints: what was compared, each difference, the verdict."""
-    lines = [f"A: {a.form}: {_paths(a.paths)}", f"B: {b.form}: {_paths(b.paths)}"]
-    counted = f"compared {comparison.model_tensors} model tensors"
+    lines = [f"A: {_files(a)}", f"B: {_files(b)}", f"compared {comparison.model_tensors} model tensors"]
     if comparison.optimizer_compared:
-        counted += f", {comparison.optimizer_tensors} optimizer tensors"
-        counted += f" and {comparison.optimizer_scalars} optimizer scalars"
-    lines.append(counted)
+        lines[-1] += f", {comparison.optimizer_tensors} optimizer tensors"
+        lines[-1] += f" and {comparison.optimizer_scalars} optimizer scalars"
     lines += [f"note: {note}" for note in comparison.notes]
     lines += [f"differs: {d.name}: {d.detail}" for d in comparison.differences]
     if comparison.equal:
@@ -340,6 +294,8 @@ def describe_comparison(comparison: Comparison, a: TensorSet, b: TensorSet) -> l
     return lines
 
 
-def _paths(paths: Sequence[str], limit: int = 2) -> str:
+def _files(checkpoint: TensorSet, limit: int = 2) -> str:
+    """Its form and first files, e.g. "4 flat shards: a0.pt, a1.pt, ... (4 files)"."""
+    paths = [i.path for i in checkpoint.inputs]
     shown = ", ".join(paths[:limit])
-    return shown + (f", ... ({len(paths)} files)" if len(paths) > limit else "")
+    return f"{checkpoint.form}: {shown}" + (f", ... ({len(paths)} files)" if len(paths) > limit else "")
