@@ -23,8 +23,10 @@ from __future__ import annotations
 import codecs
 import collections
 import contextlib
+import copyreg
 import dataclasses
 import errno
+import functools
 import io
 import os
 import pickle
@@ -398,6 +400,7 @@ _GLOBALS: dict[tuple[str, str], Callable[[], Any]] = {
     ("torch._utils", "_rebuild_tensor_v2"): lambda: lambda *args: _rebuild_tensor(*args),
     ("torch", "Size"): lambda: Size,
     ("_codecs", "encode"): lambda: lambda text, encoding="utf-8": codecs.encode(text, encoding),  # bytes
+    ("__builtin__", "bytes"): lambda: lambda: b"",  # an empty bytes object
 }
 _GLOBALS.update({("torch", d.storage): (lambda d=d: _StorageTag(d)) for d in _DTYPES})
 _GLOBALS.update({("torch", d.name): (lambda d=d: dataclasses.replace(d)) for d in _DTYPES})
@@ -604,168 +607,61 @@ def to_torch(obj: Any, storages: dict[int, Any] | None = None) -> Any:
 # Writing: the pickle
 
 
-class _Pickler:
-    """Protocol-2 pickle of what `read_checkpoint` returns, as torch.save writes it.
+_marker = functools.cache(opaque_class)  # one stand-in per global of the format, so the memo writes it once
+_PICKLED = {type(None), bool, int, float, str, bytes, tuple, list, dict, collections.OrderedDict,
+            type, type(codecs.encode)}  # classes and functions: Opaque and format globals, `_codecs.encode`
 
-    Tensors refer to storages by persistent id ('storage', torch.<X>Storage, key, 'cpu', numel);
-    keys "0", "1", ... in order of first use. Dicts, lists, tensors and Opaque objects are
-    memoized, so shared objects (tied weights) stay shared on load.
+
+class _Pickler(pickle._Pickler):
+    """Protocol-2 pickle of what `read_checkpoint` returns, as torch.save writes it (Python's own pickler,
+    whose `save_global` can name globals this package stands in for).
+
+    Storages are persistent ids ('storage', torch.<X>Storage, key, 'cpu', numel), keys "0", "1", ...
+    in order of first use. The memo keeps shared objects (tied weights) shared on load.
     """
 
     def __init__(self) -> None:
-        self.out = bytearray(b"\x80\x02")
-        self.memo: dict[int, int] = {}
-        self.keep: list[Any] = []  # memoized objects stay alive: their id() stays unique
+        self.buffer = io.BytesIO()
+        super().__init__(self.buffer, protocol=2)
         self.storages: dict[int, tuple[str, Storage]] = {}
 
     def dump(self, obj: Any) -> bytes:
-        self._save(obj)
-        self.out += b"."
-        return bytes(self.out)
+        super().dump(obj)
+        return self.buffer.getvalue()
 
-    def _memoize(self, obj: Any) -> None:
-        index = len(self.memo)
-        self.memo[id(obj)] = index
-        self.keep.append(obj)
-        self.out += b"q" + bytes([index]) if index < 256 else b"r" + struct.pack("<I", index)
+    def persistent_id(self, obj: Any) -> tuple | None:
+        if type(obj) is not Storage:
+            return None
+        key, _ = self.storages.setdefault(id(obj), (str(len(self.storages)), obj))
+        return "storage", _marker("torch", obj.dtype.storage), key, "cpu", obj.nbytes // obj.dtype.itemsize
 
-    def _get(self, obj: Any) -> bool:
-        index = self.memo.get(id(obj))
-        if index is None:
-            return False
-        self.out += b"h" + bytes([index]) if index < 256 else b"j" + struct.pack("<I", index)
-        return True
-
-    def _global(self, module: str, name: str) -> None:
-        self.out += f"c{module}\n{name}\n".encode()
-
-    def _save(self, obj: Any) -> None:
+    def reducer_override(self, obj: Any) -> Any:
         kind = type(obj)
-        if obj is None:
-            self.out += b"N"
-        elif kind is bool:
-            self.out += b"\x88" if obj else b"\x89"
-        elif kind is int:
-            self._int(obj)
-        elif kind is float:
-            self.out += b"G" + struct.pack(">d", obj)
-        elif kind is str:
-            data = obj.encode("utf-8", "surrogatepass")
-            self.out += b"X" + struct.pack("<I", len(data)) + data
-        elif kind is bytes:  # protocol 2 has no bytes opcode: pickle writes _codecs.encode(latin-1 text)
-            self._global("_codecs", "encode")
-            self._tuple((obj.decode("latin-1"), "latin1"))
-            self.out += b"R"
-        elif kind is tuple:
-            self._tuple(obj)
-        elif kind is Size:
-            self._global("torch", "Size")
-            self._tuple((tuple(obj),))
-            self.out += b"R"
-        elif kind is DType:
-            self._global("torch", obj.name)
-        elif isinstance(obj, type) and issubclass(obj, Opaque):
-            self._global(obj.module, obj.qualname)
-        elif self._get(obj):
+        if kind in _PICKLED:  # first: most objects are
+            return NotImplemented
+        if kind is TensorRef:
+            args = (obj.storage, obj.storage_offset, tuple(obj.shape), tuple(obj.stride), obj.requires_grad)
+            return _marker("torch._utils", "_rebuild_tensor_v2"), (*args, collections.OrderedDict())
+        if kind is Size:
+            return _marker("torch", "Size"), (tuple(obj),)
+        if kind is DType:
+            return obj.name  # a global: save_global
+        if isinstance(obj, Opaque):  # REDUCE, or NEWOBJ; BUILD only for a state that is not None
+            rest = (obj.state, iter(obj.items), iter(obj.entries))
+            return (kind, tuple(obj.args), *rest) if obj.called else (copyreg.__newobj__, (kind, *obj.args), *rest)
+        raise TypeError(f"cannot write a {kind.__name__} into a checkpoint")
+
+    def save_global(self, obj: Any, name: str | None = None) -> None:
+        if type(obj) is DType:
+            obj = _marker("torch", obj.name)  # one GLOBAL per dtype, as torch memoizes its dtype objects
+            if id(obj) in self.memo:
+                self.write(self.get(self.memo[id(obj)][0]))
+                return
+        if not (isinstance(obj, type) and issubclass(obj, Opaque)):
+            super().save_global(obj, name)
             return
-        elif kind in (dict, collections.OrderedDict):
-            self._dict(obj)
-        elif kind is list:
-            self.out += b"]"
-            self._memoize(obj)
-            self._items(obj, b"e")
-        elif kind is TensorRef:
-            self._tensor(obj)
-        elif isinstance(obj, Opaque):
-            self._opaque(obj)
-        else:
-            raise TypeError(f"cannot write a {kind.__name__} into a checkpoint")
-
-    def _int(self, value: int) -> None:
-        if 0 <= value < 256:
-            self.out += b"K" + bytes([value])
-        elif 0 <= value < 65536:
-            self.out += b"M" + struct.pack("<H", value)
-        elif -(1 << 31) <= value < (1 << 31):
-            self.out += b"J" + struct.pack("<i", value)
-        else:
-            data = value.to_bytes((value.bit_length() + 8) // 8, "little", signed=True)
-            self.out += b"\x8a" + bytes([len(data)]) + data
-
-    def _tuple(self, items: tuple) -> None:
-        if not items:
-            self.out += b")"
-            return
-        if len(items) <= 3:
-            for item in items:
-                self._save(item)
-            self.out += b"\x85\x86\x87"[len(items) - 1 : len(items)]
-            return
-        self.out += b"("
-        for item in items:
-            self._save(item)
-        self.out += b"t"
-
-    def _items(self, items: Sequence[Any], opcode: bytes) -> None:
-        if items:
-            self.out += b"("
-            for item in items:
-                self._save(item)
-            self.out += opcode
-
-    def _entries(self, entries: Iterable[tuple[Any, Any]]) -> None:
-        entries = list(entries)
-        if entries:
-            self.out += b"("
-            for key, value in entries:
-                self._save(key)
-                self._save(value)
-            self.out += b"u"
-
-    def _dict(self, obj: dict) -> None:
-        ordered = type(obj) is collections.OrderedDict
-        if ordered:
-            self._global("collections", "OrderedDict")
-            self.out += b")R"
-        else:
-            self.out += b"}"
-        self._memoize(obj)
-        self._entries(obj.items())
-        if ordered and vars(obj):  # e.g. a state dict's `_metadata`
-            self._save(dict(vars(obj)))
-            self.out += b"b"
-
-    def _opaque(self, obj: Opaque) -> None:
-        self._save(type(obj))
-        self._tuple(tuple(obj.args))
-        self.out += b"R" if obj.called else b"\x81"  # REDUCE, or NEWOBJ
-        self._memoize(obj)
-        self._items(obj.items, b"e")
-        self._entries(obj.entries)
-        if obj.state is not None:  # pickle writes BUILD only for a state that is not None
-            self._save(obj.state)
-            self.out += b"b"
-
-    def _tensor(self, ref: TensorRef) -> None:
-        self._global("torch._utils", "_rebuild_tensor_v2")
-        self.out += b"("
-        key, storage = self.storages.setdefault(id(ref.storage), (str(len(self.storages)), ref.storage))
-        numel = storage.nbytes // storage.dtype.itemsize
-        self.out += b"("
-        self._save("storage")
-        self._global("torch", storage.dtype.storage)
-        self._save(key)
-        self._save("cpu")
-        self._save(numel)
-        self.out += b"tQ"
-        self._save(ref.storage_offset)
-        self._tuple(tuple(ref.shape))
-        self._tuple(tuple(ref.stride))
-        self._save(ref.requires_grad)
-        self._global("collections", "OrderedDict")
-        self.out += b")Rt"
-        self.out += b"R"
-        self._memoize(ref)
+        self.write(f"c{obj.module}\n{obj.qualname}\n".encode())
+        self.memoize(obj)
 
 
 # ---------------------------------------------------------------------------------------------

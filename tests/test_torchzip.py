@@ -79,6 +79,19 @@ def test_rewritten_checkpoint_loads_in_torch_as_the_original(tmp_path: Path, mma
     assert len(pointers) == 1
 
 
+def test_the_pickle_is_byte_for_byte_the_one_torch_save_writes(tmp_path: Path) -> None:
+    """Both are Python's pickler at protocol 2: the same opcodes, memo and batches (lists of over 1000)."""
+    original = {**_sample(), "blob": b"\x00\x01", "no_bytes": b"", "many": list(range(2500)), "one": ["x"],
+                "args": argparse.Namespace(lr=1.0, betas=(0.9, 0.98))}
+    torch.save(original, tmp_path / "in.pt")
+    with zipfile.ZipFile(tmp_path / "in.pt") as archive:
+        expected = archive.read("in/data.pkl")
+    obj = read_structure(str(tmp_path / "in.pt"))
+    assert obj["no_bytes"] == b"" and torchzip.pickle_bytes(obj) == expected
+    with pytest.raises(TypeError, match="cannot write a Tensor"):  # torch objects are not written by mistake
+        torchzip.pickle_bytes({"w": torch.zeros(1)})
+
+
 def test_reading_touches_only_the_pickle(tmp_path: Path) -> None:
     torch.save({"w": torch.arange(1000, dtype=torch.int64)[10:20]}, tmp_path / "in.pt")
     ref = read_structure(str(tmp_path / "in.pt"))["w"]
