@@ -69,22 +69,17 @@ def open_tensor_set(paths: Sequence[str], *, trust: bool = False, skip_optimizer
 
 
 def tensor_set_from_source(source: Source, inputs: Sequence[InputFile], output_dtype: str | None = None) -> TensorSet:
-    """Every tensor of an analyzed checkpoint as a consolidation would write it.
-
-    `output_dtype` casts floating model tensors like `--output-dtype` does.
-    """
+    """Every tensor of an analyzed checkpoint as a consolidation (with `--output-dtype`) would write it."""
     layout, shard0 = source.model, inputs[0].structure
     names = {g: layout.flat_params[k].names[j] for g, k, j in global_params(layout)}
     model: dict[str, OutTensor] = {}
     optim: dict[OptimKey, OutTensor] | None = None if source.optim is None else {}
     options = ReshardOptions(unflatten_weights=True, output_dtype=output_dtype)
     for target in output_tensors(source, options, 0):
-        if target.path[0] == "model":
-            model[target.path[1]] = target
-        elif target.path[0] == "extra_state":  # EMA: compared like parameters, as "extra_state.ema.NAME"
-            model[".".join(target.path)] = target
-        else:  # (OPTIM, "state", global id, state name)
+        if target.path[0] == OPTIM:  # (OPTIM, "state", global id, state name)
             optim[(names[target.path[2]], target.path[3])] = target
+        else:  # ("model", NAME), or EMA: compared like parameters, as "extra_state.ema.NAME"
+            model[".".join(target.path).removeprefix("model.")] = target
     stored = {clean_key(str(k)): k for k, v in shard0["model"].items() if is_tensor(v)} if layout.unflattened else {}
     for src, dst in layout.ties:  # an unflattened file stores each tied copy under its own name: read that
         if dst in stored:
@@ -105,8 +100,7 @@ def _whole(name: str, path: tuple, tensor: Any, cast: DType | None = None) -> Ou
 
 
 def _optim_extras(source: Source, names: Mapping[int, str], osd0: Mapping[str, Any]) -> tuple[dict, dict, dict]:
-    """The optimizer's scalars, settings and the per-input scales of states with a `NAME_scale` state
-    (--fp16-adam-stats)."""
+    """Optimizer scalars, settings, and per-input scales of states with a `NAME_scale` (--fp16-adam-stats)."""
     scalars, scales = {}, {}
     for g, k, _ in global_params(source.model):
         entries = {e.name: e for e in source.optim.entries.get(k, ())}
@@ -123,11 +117,8 @@ def _optim_extras(source: Source, names: Mapping[int, str], osd0: Mapping[str, A
 
 def _plain_scalar(value: Any) -> Any:
     """`step` as saved flat (0-dim tensor or int) or consolidated (number, per-rank list) -> a number."""
-    if isinstance(value, list) and value:
-        value = value[0]
-    if is_tensor(value):
-        return to_torch(value).item() if value.numel() == 1 else to_torch(value).tolist()
-    return value
+    value = value[0] if isinstance(value, list) and value else value
+    return to_torch(value).squeeze().tolist() if is_tensor(value) else value
 
 
 def _plain_tensor_set(item: InputFile, skip_optimizer_state: bool) -> TensorSet:
@@ -177,14 +168,14 @@ def compare_tensor_sets(a: TensorSet, b: TensorSet, *, atol: float = 0.0, exact_
     Optimizer state is compared only when both sides have it (a note says otherwise).
     """
     result = Comparison()
-    result.model_tensors = _compare_tensors(a, b, "model", str, result, atol=atol, exact_dtype=exact_dtype)
+    result.model_tensors = _compare_tensors(a, b, "model", str, result, atol, exact_dtype)
     if a.optim is None or b.optim is None:
         result.notes += [s.note for s in (a, b) if s.note]
         if (a.optim is None) != (b.optim is None) and not any(s.note for s in (a, b)):
             result.notes.append(f"optimizer state only in {'A' if b.optim is None else 'B'}; not compared")
         return result
     result.optimizer_compared = True
-    result.optimizer_tensors = _compare_tensors(a, b, "optim", _optim_name, result, atol=atol, exact_dtype=exact_dtype)
+    result.optimizer_tensors = _compare_tensors(a, b, "optim", _optim_name, result, atol, exact_dtype)
     result.optimizer_scalars = _compare_values(a.optim_scalars, b.optim_scalars, _optim_name, result)
     _compare_values(a.optim_settings, b.optim_settings, lambda key: f"optimizer {key}", result)
     return result
@@ -202,7 +193,7 @@ def _common(va: Mapping, vb: Mapping, label: Callable[[Any], str], result: Compa
 
 
 def _compare_tensors(a: TensorSet, b: TensorSet, which: str, label: Callable[[Any], str], result: Comparison,
-                     **how: Any) -> int:
+                     atol: float, exact_dtype: bool) -> int:
     """Compare the tensors of `which` ("model" or "optim"); returns how many had the same shape on both sides."""
     ta, tb = getattr(a, which), getattr(b, which)
     compared, dtypes = 0, set()
@@ -211,12 +202,13 @@ def _compare_tensors(a: TensorSet, b: TensorSet, which: str, label: Callable[[An
         if x.shape != y.shape:
             result.differences.append(Difference(label(key), f"shape {list(x.shape)} vs {list(y.shape)}"))
             continue
-        dtypes.add((x.dtype, y.dtype))
-        detail = tensor_difference(a.read(x, key), b.read(y, key), **how)
+        if x.dtype != y.dtype:
+            dtypes.add((x.dtype, y.dtype))
+        detail = tensor_difference(a.read(x, key), b.read(y, key), atol=atol, exact_dtype=exact_dtype)
         if detail is not None:
             result.differences.append(Difference(label(key), detail))
         compared += 1
-    for x, y in sorted((pair for pair in dtypes if pair[0] != pair[1]), key=str):
+    for x, y in sorted(dtypes, key=str):
         result.notes.append(f"some tensors are {_dtype(x)} in A and {_dtype(y)} in B; their values were compared")
     return compared
 
@@ -253,7 +245,7 @@ def tensor_difference(x: torch.Tensor, y: torch.Tensor, *, atol: float = 0.0, ex
     """None when equal (see `compare_tensor_sets`), else what differs, e.g. "max abs diff 0.25"."""
     if exact_dtype and x.dtype != y.dtype:
         return f"dtype {_dtype(x.dtype)} vs {_dtype(y.dtype)}"
-    if x.dtype == y.dtype and torch.equal(_bits(x), _bits(y)):
+    if x.dtype == y.dtype and torch.equal(_bits(x), _bits(y)):  # bit for bit: NaN payloads, -0.0
         return None
     diff = max_abs_diff(x, y)
     if not exact_dtype and diff <= atol:
@@ -262,10 +254,7 @@ def tensor_difference(x: torch.Tensor, y: torch.Tensor, *, atol: float = 0.0, ex
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's bits as integers, so that NaN payloads and -0.0 compare exactly."""
-    if not t.is_floating_point():
-        return t
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+    return t.reshape(-1).view(torch.uint8)
 
 
 def max_abs_diff(x: torch.Tensor, y: torch.Tensor) -> float:
@@ -280,22 +269,17 @@ def max_abs_diff(x: torch.Tensor, y: torch.Tensor) -> float:
 
 def describe_comparison(comparison: Comparison, a: TensorSet, b: TensorSet) -> list[str]:
     """The report `compare_checkpoints` prints: what was compared, each difference, the verdict."""
-    lines = [f"A: {_files(a)}", f"B: {_files(b)}", f"compared {comparison.model_tensors} model tensors"]
+    lines = []
+    for side, checkpoint in (("A", a), ("B", b)):  # its form and first two files
+        paths = [i.path for i in checkpoint.inputs]
+        more = f", ... ({len(paths)} files)" if len(paths) > 2 else ""
+        lines.append(f"{side}: {checkpoint.form}: {', '.join(paths[:2])}{more}")
+    lines.append(f"compared {comparison.model_tensors} model tensors")
     if comparison.optimizer_compared:
         lines[-1] += f", {comparison.optimizer_tensors} optimizer tensors"
         lines[-1] += f" and {comparison.optimizer_scalars} optimizer scalars"
     lines += [f"note: {note}" for note in comparison.notes]
     lines += [f"differs: {d.name}: {d.detail}" for d in comparison.differences]
-    if comparison.equal:
-        optimizer = " and optimizer state" if comparison.optimizer_compared else ""
-        lines.append(f"SAME: the checkpoints hold the same model{optimizer}")
-    else:
-        lines.append(f"DIFFERENT: {len(comparison.differences)} difference(s)")
-    return lines
-
-
-def _files(checkpoint: TensorSet, limit: int = 2) -> str:
-    """Its form and first files, e.g. "4 flat shards: a0.pt, a1.pt, ... (4 files)"."""
-    paths = [i.path for i in checkpoint.inputs]
-    shown = ", ".join(paths[:limit])
-    return f"{checkpoint.form}: {shown}" + (f", ... ({len(paths)} files)" if len(paths) > limit else "")
+    optimizer = " and optimizer state" if comparison.optimizer_compared else ""
+    same = f"SAME: the checkpoints hold the same model{optimizer}"
+    return lines + [same if comparison.equal else f"DIFFERENT: {len(comparison.differences)} difference(s)"]

@@ -4,7 +4,8 @@
     write_outputs(jobs, crc32=True)      # the same writer as always, storing CRC32s of what it wrote
     report = verify_reshard_outputs(plan)  # "verified 3 outputs: 52 parameters, ..."
 
-The outputs' records are checked against the CRC32s the writer stored, then compared with
+The outputs' records are checked against the CRC32s the writer stored, their metadata against
+the plan (form, names, shapes, ties, FSDP's padding), then they are compared with
 `metaseq.reshard.compare` in its strict mode: both sides read per original parameter
 (inputs cast like `--output-dtype`), dtypes must match and bits must be identical.
 Cost: one more read of the inputs and two of the outputs.
@@ -29,10 +30,7 @@ logger = logging.getLogger(__name__)
 
 
 def check_input_checksums(plan: Plan) -> int:
-    """Read every input in full and check each record against its zip CRC32; returns bytes checked.
-
-    torch.load does not do this, so without it a flipped bit in tensor data passes unnoticed.
-    """
+    """Read every input in full and check each record against its zip CRC32 (torch.load does not); returns bytes."""
     checked = [check_checkpoint_crc(i.path, tensors=True) or 0 for i in plan.inputs]
     unchecked = [i.path for i, n in zip(plan.inputs, checked) if n == 0]
     if unchecked:
@@ -45,10 +43,7 @@ def check_input_checksums(plan: Plan) -> int:
 def verify_reshard_outputs(plan: Plan) -> str:
     """Re-open the outputs and check them against the inputs; returns the report line.
 
-    Checked: the outputs form the planned checkpoint (M flat shards padded as FSDP pads them, or one
-    unflattened file) with the inputs' names, shapes and ties; every tensor is bit-identical to the inputs';
-    optimizer scalars and settings are equal. On any failure the outputs are removed and ReshardError names
-    the first culprit.
+    On any failure the outputs are removed (they cannot be trusted) and ReshardError names the first culprit.
     """
     paths = [out.path for out in plan.outputs]
     try:
