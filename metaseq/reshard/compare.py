@@ -10,7 +10,7 @@ the largest parameter, not the model.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -27,7 +27,7 @@ __all__ = ["Comparison", "Difference", "TensorSet", "compare_tensor_sets", "desc
            "tensor_difference", "tensor_set_from_source"]
 
 CHUNK_ELEMENTS = 1 << 24  # differences are computed in float64 chunks of this many elements
-OptimKey = tuple[str, str]  # (parameter name, state name), e.g. ("decoder.x.weight", "exp_avg")
+OptimKey = str  # "STATE of PARAMETER", e.g. "exp_avg of decoder.x.weight"
 
 
 @dataclass(frozen=True)
@@ -72,14 +72,11 @@ def tensor_set_from_source(source: Source, inputs: Sequence[InputFile], output_d
     """Every tensor of an analyzed checkpoint as a consolidation (with `--output-dtype`) would write it."""
     layout, shard0 = source.model, inputs[0].structure
     names = {g: layout.flat_params[k].names[j] for g, k, j in global_params(layout)}
-    model: dict[str, OutTensor] = {}
-    optim: dict[OptimKey, OutTensor] | None = None if source.optim is None else {}
     options = ReshardOptions(unflatten_weights=True, output_dtype=output_dtype)
-    for target in output_tensors(source, options, 0):
-        if target.path[0] == OPTIM:  # (OPTIM, "state", global id, state name)
-            optim[(names[target.path[2]], target.path[3])] = target
-        else:  # ("model", NAME), or EMA: compared like parameters, as "extra_state.ema.NAME"
-            model[".".join(target.path).removeprefix("model.")] = target
+    targets = output_tensors(source, options, 0)
+    # paths ("model", NAME), EMA's ("extra_state", "ema", NAME) compared like parameters, (OPTIM, "state", g, STATE)
+    model = {".".join(t.path).removeprefix("model."): t for t in targets if t.path[0] != OPTIM}
+    optim = {f"{t.path[3]} of {names[t.path[2]]}": t for t in targets if t.path[0] == OPTIM}
     stored = {clean_key(str(k)): k for k, v in shard0["model"].items() if is_tensor(v)} if layout.unflattened else {}
     for src, dst in layout.ties:  # an unflattened file stores each tied copy under its own name: read that
         if dst in stored:
@@ -89,7 +86,8 @@ def tensor_set_from_source(source: Source, inputs: Sequence[InputFile], output_d
     buffers = frozenset(e.key for e in layout.extras if e.shape is not None)
     form = "1 unflattened file" if layout.unflattened else f"{len(inputs)} flat shard{'s' * (len(inputs) > 1)}"
     scalars, settings, scales = ({}, {}, {}) if source.optim is None else _optim_extras(source, names, shard0[OPTIM])
-    return TensorSet(tuple(inputs), form, model, buffers, optim, scalars, settings, scales=scales)
+    return TensorSet(tuple(inputs), form, model, buffers, None if source.optim is None else optim, scalars, settings,
+                     scales=scales)
 
 
 def _whole(name: str, path: tuple, tensor: Any, cast: DType | None = None) -> OutTensor:
@@ -107,9 +105,9 @@ def _optim_extras(source: Source, names: Mapping[int, str], osd0: Mapping[str, A
         for name, entry in entries.items():
             scale = entries.get(f"{name}_scale")
             if entry.segments is None:
-                scalars[(names[g], name)] = _plain_scalar(entry.values[0])
+                scalars[f"{name} of {names[g]}"] = _plain_scalar(entry.values[0])
             elif scale is not None and len(scale.values) == len(source.model.labels):
-                scales[(names[g], name)] = [v.value() if is_tensor(v) else float(v) for v in scale.values]
+                scales[f"{name} of {names[g]}"] = [v.value() if is_tensor(v) else float(v) for v in scale.values]
     settings = {key: value for key, value in osd0.items() if key not in (*LAYOUT_KEYS, "param_groups")}
     settings["param_groups"] = [{k: v for k, v in group.items() if k != "params"} for group in osd0["param_groups"]]
     return scalars, to_torch(settings), scales
@@ -168,55 +166,51 @@ def compare_tensor_sets(a: TensorSet, b: TensorSet, *, atol: float = 0.0, exact_
     Optimizer state is compared only when both sides have it (a note says otherwise).
     """
     result = Comparison()
-    result.model_tensors = _compare_tensors(a, b, "model", str, result, atol, exact_dtype)
+    result.model_tensors = _compare_tensors(a, b, "model", result, atol, exact_dtype)
     if a.optim is None or b.optim is None:
         result.notes += [s.note for s in (a, b) if s.note]
         if (a.optim is None) != (b.optim is None) and not any(s.note for s in (a, b)):
             result.notes.append(f"optimizer state only in {'A' if b.optim is None else 'B'}; not compared")
         return result
     result.optimizer_compared = True
-    result.optimizer_tensors = _compare_tensors(a, b, "optim", _optim_name, result, atol, exact_dtype)
-    result.optimizer_scalars = _compare_values(a.optim_scalars, b.optim_scalars, _optim_name, result)
-    _compare_values(a.optim_settings, b.optim_settings, lambda key: f"optimizer {key}", result)
+    result.optimizer_tensors = _compare_tensors(a, b, "optim", result, atol, exact_dtype)
+    result.optimizer_scalars = _compare_values(a.optim_scalars, b.optim_scalars, result)
+    _compare_values(a.optim_settings, b.optim_settings, result)
     return result
 
 
-def _optim_name(key: OptimKey) -> str:
-    return f"optimizer {key[1]} of {key[0]}"
-
-
-def _common(va: Mapping, vb: Mapping, label: Callable[[Any], str], result: Comparison) -> list:
+def _common(va: Mapping[str, Any], vb: Mapping[str, Any], prefix: str, result: Comparison) -> list[str]:
     """The keys on both sides; each key on one side only is a difference."""
-    result.differences += [Difference(label(k), "only in A") for k in va if k not in vb]
-    result.differences += [Difference(label(k), "only in B") for k in vb if k not in va]
+    result.differences += [Difference(f"{prefix}{k}", "only in A") for k in va if k not in vb]
+    result.differences += [Difference(f"{prefix}{k}", "only in B") for k in vb if k not in va]
     return [k for k in va if k in vb]
 
 
-def _compare_tensors(a: TensorSet, b: TensorSet, which: str, label: Callable[[Any], str], result: Comparison,
-                     atol: float, exact_dtype: bool) -> int:
-    """Compare the tensors of `which` ("model" or "optim"); returns how many had the same shape on both sides."""
-    ta, tb = getattr(a, which), getattr(b, which)
+def _compare_tensors(a: TensorSet, b: TensorSet, which: str, result: Comparison, atol: float, exact_dtype: bool) -> int:
+    """The tensors of `which` ("model" or "optim"); returns how many had the same shape on both sides."""
+    ta, tb, prefix = getattr(a, which), getattr(b, which), "optimizer " if which == "optim" else ""
     compared, dtypes = 0, set()
-    for key in _common(ta, tb, label, result):
+    for key in _common(ta, tb, prefix, result):
         x, y = ta[key], tb[key]
         if x.shape != y.shape:
-            result.differences.append(Difference(label(key), f"shape {list(x.shape)} vs {list(y.shape)}"))
+            result.differences.append(Difference(f"{prefix}{key}", f"shape {list(x.shape)} vs {list(y.shape)}"))
             continue
         if x.dtype != y.dtype:
             dtypes.add((x.dtype, y.dtype))
         detail = tensor_difference(a.read(x, key), b.read(y, key), atol=atol, exact_dtype=exact_dtype)
         if detail is not None:
-            result.differences.append(Difference(label(key), detail))
+            result.differences.append(Difference(f"{prefix}{key}", detail))
         compared += 1
     for x, y in sorted(dtypes, key=str):
         result.notes.append(f"some tensors are {_dtype(x)} in A and {_dtype(y)} in B; their values were compared")
     return compared
 
 
-def _compare_values(va: Mapping, vb: Mapping, label: Callable[[Any], str], result: Comparison) -> int:
-    common = _common(va, vb, label, result)
+def _compare_values(va: Mapping[str, Any], vb: Mapping[str, Any], result: Comparison) -> int:
+    """Optimizer scalars or settings; returns how many are on both sides."""
+    common = _common(va, vb, "optimizer ", result)
     for key in (k for k in common if not _same_value(va[k], vb[k])):
-        result.differences.append(Difference(label(key), f"{_short(va[key])} vs {_short(vb[key])}"))
+        result.differences.append(Difference(f"optimizer {key}", f"{_short(va[key])} vs {_short(vb[key])}"))
     return len(common)
 
 
@@ -245,16 +239,12 @@ def tensor_difference(x: torch.Tensor, y: torch.Tensor, *, atol: float = 0.0, ex
     """None when equal (see `compare_tensor_sets`), else what differs, e.g. "max abs diff 0.25"."""
     if exact_dtype and x.dtype != y.dtype:
         return f"dtype {_dtype(x.dtype)} vs {_dtype(y.dtype)}"
-    if x.dtype == y.dtype and torch.equal(_bits(x), _bits(y)):  # bit for bit: NaN payloads, -0.0
-        return None
+    if x.dtype == y.dtype and torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)):
+        return None  # bit for bit: NaN payloads and -0.0 too
     diff = max_abs_diff(x, y)
     if not exact_dtype and diff <= atol:
         return None
     return f"max abs diff {diff:.6g}" + (" (same values, different bits)" if diff == 0 else "")
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1).view(torch.uint8)
 
 
 def max_abs_diff(x: torch.Tensor, y: torch.Tensor) -> float:

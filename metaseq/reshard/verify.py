@@ -96,9 +96,8 @@ def _check_form(plan: Plan, planned: Source, found: Source, paths: Sequence[str]
     if opts.unflatten_weights:
         return
     for k, fp in enumerate(out.flat_params):
-        for rank, path in enumerate(paths):
+        for rank, (path, padded, kept) in enumerate(zip(paths, out.padded_lengths[k], out.kept_lengths[k])):
             start, end, padded_len = shard_range(fp.numel, opts.num_output_shards, rank)
-            held = (out.padded_lengths[k][rank], out.kept_lengths[k][rank])
-            if held != (padded_len, end - start):
-                raise ReshardError(f"{path}: '{fp.key}' holds {held[1]} of {held[0]} elements, "
+            if (padded, kept) != (padded_len, end - start):
+                raise ReshardError(f"{path}: '{fp.key}' holds {kept} of {padded} elements, "
                                    f"expected {end - start} of {padded_len}")
