@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -19,16 +20,8 @@ from metaseq.reshard.ranges import Span, shard_range
 from metaseq.reshard.schema import ShardMetadata, clean_key, is_tensor, join_key
 from metaseq.torchzip import DType, Size
 
-__all__ = [
-    "MIRRORS",
-    "Extra",
-    "FlatParam",
-    "Mirror",
-    "ModelLayout",
-    "analyze_model",
-    "global_params",
-    "output_metadata",
-]
+__all__ = ["MIRRORS", "Extra", "FlatParam", "Mirror", "ModelLayout", "analyze_model", "global_params",
+           "output_metadata"]
 
 # extra_state dicts that hold state per flat parameter, laid out like `model` on every rank
 # (upstream metaseq's --store-ema): resharded with the model, not carried from rank 0.
@@ -52,11 +45,7 @@ class FlatParam:
 
     def ranges(self) -> list[tuple[int, int]]:
         """[start, end) of each original parameter inside the unpadded flat parameter."""
-        bounds, start = [], 0
-        for n in self.numels:
-            bounds.append((start, start + n))
-            start += n
-        return bounds
+        return [(end - n, end) for n, end in zip(self.numels, itertools.accumulate(self.numels))]
 
 
 @dataclass(frozen=True)
@@ -96,11 +85,8 @@ class ModelLayout:
 
 def global_params(layout: ModelLayout) -> Iterator[tuple[int, int, int]]:
     """(global id, flat param index k, index j in its names): fairscale's unflattened ids."""
-    g = 0
-    for k, fp in enumerate(layout.flat_params):
-        for j in range(len(fp.names)):
-            yield g, k, j
-            g += 1
+    pairs = ((k, j) for k, fp in enumerate(layout.flat_params) for j in range(len(fp.names)))
+    return ((g, k, j) for g, (k, j) in enumerate(pairs))
 
 
 def analyze_model(shards: Sequence[Mapping[str, Any]], labels: Sequence[str]) -> ModelLayout:
@@ -110,26 +96,21 @@ def analyze_model(shards: Sequence[Mapping[str, Any]], labels: Sequence[str]) ->
     for meta, label in zip(metas[1:], labels[1:]):
         _check_same_params(flat_params, _parse_flat_params(meta, label), labels[0], label)
     ties = _parse_ties(metas[0], flat_params, labels[0])
-    key_maps = [_model_key_map(s, label) for s, label in zip(shards, labels)]
-    forms = [_is_unflattened(km, s["model"], flat_params, label) for km, s, label in zip(key_maps, shards, labels)]
+    models = [s["model"] for s in shards]
+    key_maps = [_key_map(model, label, "model") for model, label in zip(models, labels)]
+    forms = [_is_unflattened(km, model, flat_params, label) for km, model, label in zip(key_maps, models, labels)]
     if any(forms) and len(shards) > 1:
-        culprit = labels[forms.index(True)]
         raise ReshardError(
-            f"{culprit}: looks unflattened (model keys are original parameter names) but was given "
-            f"with {len(shards) - 1} other input(s); pass a consolidated file alone"
+            f"{labels[forms.index(True)]}: looks unflattened (model keys are original parameter names) but was "
+            f"given with {len(shards) - 1} other input(s); pass a consolidated file alone"
         )
     if forms[0]:
-        lengths, sources, dtypes = _unflattened_sources(shards[0]["model"], key_maps[0], flat_params, labels[0])
-        padded = kept = lengths
+        padded = kept = tuple((fp.numel,) for fp in flat_params)
     else:
-        padded, kept, sources, dtypes = _flat_sources(shards, metas, key_maps, flat_params, labels)
-    taken = {fp.key for fp in flat_params}
-    if forms[0]:
-        taken = {n for fp in flat_params for n in fp.names} | {dst for _, dst in ties}
-    extras = _extras(shards[0]["model"], key_maps[0], taken)
-    layout = ModelLayout(tuple(labels), forms[0], flat_params, padded, kept, sources, dtypes, extras, ties, metas[0])
-    mirrors = tuple(_mirror(shards, layout, name, taken) for name in MIRRORS if _mirror_dicts(shards, name))
-    return dataclasses.replace(layout, mirrors=mirrors)
+        padded, kept = _flat_lengths(models, metas, key_maps, flat_params, labels)
+    layout = ModelLayout(tuple(labels), forms[0], flat_params, padded, kept, (), (), (), ties, metas[0])
+    sources, dtypes, extras = _located(layout, models, key_maps, ("model",), "shard_metadata says {}")
+    return dataclasses.replace(layout, sources=sources, dtypes=dtypes, extras=extras, mirrors=_mirrors(shards, layout))
 
 
 def output_metadata(layout: ModelLayout, paddings: Sequence[int]) -> ShardMetadata:
@@ -182,7 +163,9 @@ def _parse_param(idx: int, path: str, backing: str, pm: Mapping[str, Any], label
     numels = tuple(int(n) for n in pm["numels"])
     key = join_key(path, clean_key(backing))
     if not len(names) == len(shapes) == len(numels):
-        raise ReshardError(f"{label}: shard_metadata of '{key}' has {len(names)} names, {len(shapes)} shapes, {len(numels)} numels")
+        raise ReshardError(
+            f"{label}: shard_metadata of '{key}' has {len(names)} names, {len(shapes)} shapes, {len(numels)} numels"
+        )
     for name, shape, n in zip(names, shapes, numels):
         if shape.numel() != n:
             raise ReshardError(f"{label}: shard_metadata says '{name}' has shape {list(shape)} but numel {n}")
@@ -230,13 +213,13 @@ def _parse_ties(meta: ShardMetadata, flat_params: Sequence[FlatParam], label: st
     return tuple(ties)
 
 
-def _model_key_map(shard: Mapping[str, Any], label: str) -> dict[str, str]:
+def _key_map(entries: Mapping[str, Any], label: str, where: str) -> dict[str, str]:
     """clean key -> actual key, tolerating `_fsdp_wrapped_module.` / `_fpw_module.` segments."""
     key_map: dict[str, str] = {}
-    for key in shard["model"]:
+    for key in entries:
         clean = clean_key(str(key))
         if clean in key_map:
-            raise ReshardError(f"{label}: model keys '{key_map[clean]}' and '{key}' both mean '{clean}'")
+            raise ReshardError(f"{label}: {where} keys '{key_map[clean]}' and '{key}' both mean '{clean}'")
         key_map[clean] = key
     return key_map
 
@@ -263,140 +246,101 @@ def _dim(value: Any) -> int:
     return value.dim() if is_tensor(value) else -1
 
 
-def _flat_sources(
-    shards: Sequence[Mapping[str, Any]],
+def _flat_lengths(
+    models: Sequence[Mapping[str, Any]],
     metas: Sequence[ShardMetadata],
     key_maps: Sequence[Mapping[str, str]],
     flat_params: Sequence[FlatParam],
     labels: Sequence[str],
-) -> tuple[tuple, tuple, tuple, tuple]:
-    """Per flat parameter: padded/kept lengths per input, segments, dtype; checked against metadata."""
-    padded, kept, sources, dtypes = [], [], [], []
+) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]:
+    """Per flat parameter, its length with and without padding on every input, checked against shard_metadata."""
+    padded, kept = [], []
     for fp in flat_params:
-        lengths, keeps, segments = [], [], []
-        for r, (shard, meta, key_map, label) in enumerate(zip(shards, metas, key_maps, labels)):
-            actual = key_map[fp.key]
-            tensor = shard["model"][actual]
+        lengths, keeps = [], []
+        for model, meta, key_map, label in zip(models, metas, key_maps, labels):
+            tensor = model[key_map[fp.key]]
             if _dim(tensor) != 1:
                 shape = list(tensor.shape) if is_tensor(tensor) else type(tensor).__name__
-                raise ReshardError(f"{label}: model['{actual}'] should be a 1-D flat tensor, found {shape}")
-            pad = meta["param_metadata"][fp.instance]["params"][fp.backing_name]["padding"]
-            _check_padding(fp, tensor.numel(), pad, lengths[0] if lengths else None, label, labels[0])
-            lengths.append(tensor.numel())
-            keeps.append(tensor.numel() - pad)
-            segments.append(Span(r, ("model", actual), 0, tensor.numel() - pad))
+                raise ReshardError(f"{label}: model['{key_map[fp.key]}'] should be a 1-D flat tensor, found {shape}")
+            length, pad = tensor.numel(), meta["param_metadata"][fp.instance]["params"][fp.backing_name]["padding"]
+            if not isinstance(pad, int) or not 0 <= pad <= length:
+                raise ReshardError(f"{label}: padding {pad!r} of '{fp.key}' is not between 0 and its {length} elements")
+            if lengths and length != lengths[0]:
+                raise ReshardError(
+                    f"{label}: flat parameter '{fp.key}' has {length} elements but {labels[0]} has {lengths[0]}; "
+                    "every FSDP rank holds the same padded length"
+                )
+            lengths.append(length)
+            keeps.append(length - pad)
         _check_consumed(fp, keeps, labels)
         padded.append(tuple(lengths))
         kept.append(tuple(keeps))
-        sources.append(tuple(segments))
-        dtypes.append(shards[0]["model"][key_maps[0][fp.key]].dtype)
-    return tuple(padded), tuple(kept), tuple(sources), tuple(dtypes)
-
-
-def _check_padding(fp: FlatParam, length: int, pad: Any, ref_length: int | None, label: str, ref_label: str) -> None:
-    if not isinstance(pad, int) or not 0 <= pad <= length:
-        raise ReshardError(f"{label}: padding {pad!r} of '{fp.key}' is not between 0 and its {length} elements")
-    if ref_length is not None and length != ref_length:
-        raise ReshardError(
-            f"{label}: flat parameter '{fp.key}' has {length} elements but {ref_label} has {ref_length}; "
-            "every FSDP rank holds the same padded length"
-        )
+    return tuple(padded), tuple(kept)
 
 
 def _check_consumed(fp: FlatParam, keeps: Sequence[int], labels: Sequence[str]) -> None:
+    """The unpadded lengths add up to the parameters'; else the error names the first input whose
+    length is not what FSDP's split gives it (if one is)."""
     total = sum(keeps)
+    if total == fp.numel:
+        return
     if total < fp.numel:
         detail = f"consumed {total} of {fp.numel} elements"
-    elif total > fp.numel:
-        detail = f"{total - fp.numel} elements left over after consuming all {fp.numel}"
     else:
-        return
-    suspect = _first_off_rule(fp.numel, keeps, labels)
+        detail = f"{total - fp.numel} elements left over after consuming all {fp.numel}"
+    ranges = [shard_range(fp.numel, len(keeps), r) for r in range(len(keeps))]
+    suspect = next((f"{label}: " for n, (a, b, _), label in zip(keeps, ranges, labels) if n != b - a), "")
     raise ReshardError(
         f"{suspect}flat parameter '{fp.key}': the shards hold {total} elements after removing padding but "
         f"shard_metadata numels add up to {fp.numel} ({detail}); are the shards complete and from one checkpoint?"
     )
 
 
-def _first_off_rule(numel: int, keeps: Sequence[int], labels: Sequence[str]) -> str:
-    """'LABEL: ' of the first input whose unpadded length is not what FSDP's split gives it, or ''."""
-    for rank, (kept, label) in enumerate(zip(keeps, labels)):
-        start, end, _ = shard_range(numel, len(keeps), rank)
-        if kept != end - start:
-            return f"{label}: "
-    return ""
-
-
-def _unflattened_sources(
-    model: Mapping[str, Any], key_map: Mapping[str, str], flat_params: Sequence[FlatParam], label: str
-) -> tuple[tuple, tuple, tuple]:
-    lengths, sources, dtypes = [], [], []
-    for fp in flat_params:
-        segments = []
-        for name, shape in zip(fp.names, fp.shapes):
-            tensor = model[key_map[name]]
-            if not is_tensor(tensor) or tensor.shape != shape:
-                found = list(tensor.shape) if is_tensor(tensor) else type(tensor).__name__
-                raise ReshardError(f"{label}: model['{name}'] has shape {found} but shard_metadata says {list(shape)}")
-            segments.append(Span(0, ("model", key_map[name]), 0, shape.numel()))
-        lengths.append((fp.numel,))
-        sources.append(tuple(segments))
-        dtypes.append(model[key_map[fp.names[0]]].dtype if fp.names else _any_dtype(model))
-    return tuple(lengths), tuple(sources), tuple(dtypes)
-
-
-def _any_dtype(model: Mapping[str, Any]) -> Any:
-    """dtype of a flat parameter that holds no parameters (it has no elements): any tensor's."""
-    return next(v.dtype for v in model.values() if is_tensor(v))
-
-
-def _extras(model: Mapping[str, Any], key_map: Mapping[str, str], taken: set[str]) -> tuple[Extra, ...]:
-    extras = []
-    for clean, actual in key_map.items():
-        if clean in taken:
-            continue
-        value = model[actual]
-        if is_tensor(value):
-            extras.append(Extra(clean, actual, value.shape, value.dtype))
-        else:
-            extras.append(Extra(clean, actual, None, None))
-    return tuple(extras)
-
-
-def _mirror_dicts(shards: Sequence[Mapping[str, Any]], name: str) -> list[Mapping[str, Any]]:
-    """Every input's `extra_state[name]`, or [] when input 0 has none."""
-    found = [s.get("extra_state")[name] if isinstance(s.get("extra_state"), Mapping) and
-             s["extra_state"].get(name) is not None else None for s in shards]
-    return found if found[0] is not None else []
-
-
-def _mirror(shards: Sequence[Mapping[str, Any]], layout: ModelLayout, name: str, taken: set[str]) -> Mirror:
-    """Spans of a mirror's flat parameters: the model's kept lengths, checked against its tensors."""
-    dicts = _mirror_dicts(shards, name)
-    maps = []
-    for d, label in zip(dicts, layout.labels):
-        if not isinstance(d, Mapping):
-            raise ReshardError(f"{label}: extra_state['{name}'] is a {type(d).__name__}, unlike input 0's dict "
-                               "laid out like model; the shards come from different runs")
-        maps.append({clean_key(str(k)): k for k in d})
+def _located(
+    layout: ModelLayout, dicts: Sequence[Mapping[str, Any]], maps: Sequence[Mapping[str, str]], root: tuple, want: str
+) -> tuple[tuple[tuple[Span, ...], ...], tuple[DType, ...], tuple[Extra, ...]]:
+    """Sources and dtypes of the flat parameters in `dicts` (one per input, laid out like `model` at `root`),
+    each tensor checked against the layout's lengths (or shapes, unflattened), `want` saying what a wrong one
+    should be ("{}": the shape); and input 0's other entries."""
+    where = root[0] + "".join(f"['{key}']" for key in root[1:])
     sources, dtypes = [], []
     for k, fp in enumerate(layout.flat_params):
-        keys = fp.names if layout.unflattened else (fp.key,)
-        shapes = fp.shapes if layout.unflattened else None
         spans = []
-        for r, (d, key_map, label) in enumerate(zip(dicts, maps, layout.labels)):
-            for j, key in enumerate(keys):
-                tensor = d.get(key_map.get(key))
-                want = shapes[j] if shapes else Size([layout.padded_lengths[k][r]])
-                if not is_tensor(tensor) or tensor.shape != want:
+        for r, (entries, key_map, label) in enumerate(zip(dicts, maps, layout.labels)):
+            pieces = zip(fp.names, fp.shapes, fp.numels) if layout.unflattened else [
+                (fp.key, Size([layout.padded_lengths[k][r]]), layout.kept_lengths[k][r])]
+            for key, shape, length in pieces:
+                tensor = entries.get(key_map.get(key))
+                if not is_tensor(tensor) or tensor.shape != shape:
                     found = list(tensor.shape) if is_tensor(tensor) else type(tensor).__name__
-                    raise ReshardError(
-                        f"{label}: extra_state['{name}']['{key}'] is {found}, not {list(want)} like model's; "
-                        f"extra_state['{name}'] must hold the flat parameters exactly as model does to be resharded"
-                    )
-                spans.append(Span(r, ("extra_state", name, key_map[key]), 0,
-                                  want.numel() if shapes else layout.kept_lengths[k][r]))
+                    raise ReshardError(f"{label}: {where}['{key}'] has shape {found} but {want.format(list(shape))}")
+                spans.append(Span(r, (*root, key_map[key]), 0, length))
         sources.append(tuple(spans))
-        dtypes.append(dicts[0][maps[0][keys[0]]].dtype if keys else layout.dtypes[k])
-    return Mirror(name, tuple(sources), tuple(dtypes), _extras(dicts[0], maps[0], taken))
+        # A flat parameter that holds no parameters has no elements: any tensor's dtype.
+        first = dicts[0][spans[0].path[-1]] if spans else next(v for v in dicts[0].values() if is_tensor(v))
+        dtypes.append(first.dtype)
+    taken = {fp.key for fp in layout.flat_params}
+    if layout.unflattened:
+        taken = {n for fp in layout.flat_params for n in fp.names} | {dst for _, dst in layout.ties}
+    values = {clean: (actual, dicts[0][actual]) for clean, actual in maps[0].items() if clean not in taken}
+    extras = tuple(Extra(clean, actual, value.shape, value.dtype) if is_tensor(value) else
+                   Extra(clean, actual, None, None) for clean, (actual, value) in values.items())
+    return tuple(sources), tuple(dtypes), extras
 
+
+def _mirrors(shards: Sequence[Mapping[str, Any]], layout: ModelLayout) -> tuple[Mirror, ...]:
+    """The MIRRORS in input 0's extra_state, each checked on every input to hold the flat parameters as `model` does."""
+    mirrors = []
+    for name in MIRRORS:
+        dicts = [s["extra_state"].get(name) if isinstance(s.get("extra_state"), Mapping) else None for s in shards]
+        if dicts[0] is None:
+            continue
+        where = f"extra_state['{name}']"
+        for entries, label in zip(dicts, layout.labels):
+            if not isinstance(entries, Mapping):
+                raise ReshardError(f"{label}: {where} is a {type(entries).__name__}, unlike input 0's dict "
+                                   "laid out like model; the shards come from different runs")
+        maps = [_key_map(entries, label, where) for entries, label in zip(dicts, layout.labels)]
+        want = f"model's is {{}}; {where} must hold the flat parameters exactly as model does to be resharded"
+        mirrors.append(Mirror(name, *_located(layout, dicts, maps, ("extra_state", name), want)))
+    return tuple(mirrors)

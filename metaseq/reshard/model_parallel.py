@@ -15,9 +15,9 @@ from typing import Any, Sequence
 
 from metaseq.errors import ReshardError
 from metaseq.models.partition import Rule, rule_for
-from metaseq.reshard.layout import FlatParam, Mirror, ModelLayout
+from metaseq.reshard.layout import FlatParam, ModelLayout
 from metaseq.reshard.optim import OptimLayout, StateEntry
-from metaseq.reshard.ranges import Span, SpanIndex, join_spans, side_by_side, sub_spans
+from metaseq.reshard.ranges import Span, SpanIndex, join_spans, side_by_side
 from metaseq.torchzip import DType, Size, read_at
 
 __all__ = ["check_parts_fit", "cut_model_parts", "global_shapes", "shift_inputs"]
@@ -90,12 +90,12 @@ def cut_model_parts(parts: Sequence[ModelLayout], optims: Sequence[OptimLayout |
     `shapes` are the parts' `global_shapes`; `structures` the inputs' objects (spans index
     them), to compare replicated tensors.
     """
-    cut = _Cutter(parts, shapes, num_parts, part, structures)
-    flat_params = tuple(cut.flat_param(k) for k in range(len(parts[0].flat_params)))
+    cut, first = _Cutter(parts, shapes, num_parts, part, structures), parts[0]
     model = dataclasses.replace(
-        parts[0], labels=tuple(label for p in parts for label in p.labels), flat_params=flat_params,
-        sources=tuple(cut.spans(k, [p.sources[k] for p in parts]) for k in range(len(flat_params))),
-        mirrors=tuple(_cut_mirror(cut, [p.mirrors[i] for p in parts]) for i in range(len(parts[0].mirrors))),
+        first, labels=tuple(label for p in parts for label in p.labels),
+        flat_params=tuple(cut.flat_param(fp) for fp in first.flat_params), sources=cut.all([p.sources for p in parts]),
+        mirrors=tuple(dataclasses.replace(m, sources=cut.all([p.mirrors[i].sources for p in parts]))
+                      for i, m in enumerate(first.mirrors)),
     )
     if optims[0] is None:
         return model, None
@@ -104,47 +104,40 @@ def cut_model_parts(parts: Sequence[ModelLayout], optims: Sequence[OptimLayout |
     return model, dataclasses.replace(optims[0], entries=entries)
 
 
-def _cut_mirror(cut: _Cutter, mirrors: Sequence[Mirror]) -> Mirror:
-    sources = tuple(cut.spans(k, [m.sources[k] for m in mirrors]) for k in range(len(mirrors[0].sources)))
-    return dataclasses.replace(mirrors[0], sources=sources)
-
-
 class _Cutter:
     """Spans of output part `part`'s flat parameters, from the input parts' spans of theirs."""
 
     def __init__(self, parts: Sequence[ModelLayout], shapes: dict[str, Size], num_parts: int, part: int,
                  structures: Sequence[Any]) -> None:
         self.parts, self.shapes, self.num_parts, self.part = parts, shapes, num_parts, part
-        self.structures = structures
-        self.warned: set[str] = set()
+        self.structures, self.warned = structures, set()
 
-    def local_shape(self, name: str) -> Size:
-        rule, shape = rule_for(name), list(self.shapes[name])
-        if rule is not None:
-            shape[rule.dim] //= self.num_parts
-        return Size(shape)
+    def flat_param(self, fp: FlatParam) -> FlatParam:
+        """`fp` with the local shapes of this part's parameters."""
+        shapes = [list(self.shapes[name]) for name in fp.names]
+        for name, shape in zip(fp.names, shapes):
+            rule = rule_for(name)
+            if rule is not None:
+                shape[rule.dim] //= self.num_parts
+        return dataclasses.replace(fp, shapes=tuple(map(Size, shapes)), numels=tuple(math.prod(s) for s in shapes))
 
-    def flat_param(self, k: int) -> FlatParam:
-        fp = self.parts[0].flat_params[k]
-        shapes = tuple(self.local_shape(name) for name in fp.names)
-        return dataclasses.replace(fp, shapes=shapes, numels=tuple(s.numel() for s in shapes))
+    def all(self, part_sources: Sequence[Sequence[Sequence[Span]]]) -> tuple[tuple[Span, ...], ...]:
+        """`spans` of every flat parameter, from each part's sources."""
+        return tuple(self.spans(k, [sources[k] for sources in part_sources]) for k in range(len(part_sources[0])))
 
     def spans(self, k: int, part_spans: Sequence[Sequence[Span]]) -> tuple[Span, ...]:
         """Output flat parameter k's elements: each of its parameters' pieces of the input parts, in order."""
-        indexes = [SpanIndex(s) for s in part_spans]
-        out: list[Span] = []
-        part_ranges = [p.flat_params[k].ranges() for p in self.parts]
-        for j, name in enumerate(self.parts[0].flat_params[k].names):
-            starts = [ranges[j][0] for ranges in part_ranges]
+        indexes, out = [SpanIndex(s) for s in part_spans], []
+        ranges = zip(*(p.flat_params[k].ranges() for p in self.parts))  # per parameter: (start, end) per part
+        for name, starts_ends in zip(self.parts[0].flat_params[k].names, ranges):
             rule = rule_for(name)
             if rule is None:
-                local = self.parts[0].flat_params[k].numels[j]
-                self._warn_if_parts_differ(name, [sub_spans(s, a, a + local) for s, a in zip(part_spans, starts)],
-                                           self.parts[0].dtypes[k])
-                out += sub_spans(part_spans[0], starts[0], starts[0] + local)
+                copies = [index.slice(start, end) for index, (start, end) in zip(indexes, starts_ends)]
+                self._warn_if_parts_differ(name, copies)
+                out += copies[0]
                 continue
             columns, count, stride = _pieces(self.shapes[name], rule, len(self.parts), self.num_parts, self.part)
-            out += side_by_side([indexes[p].slice_rows(starts[p] + offset, length, count, stride)
+            out += side_by_side([indexes[p].slice_rows(starts_ends[p][0] + offset, length, count, stride)
                                  for p, offset, length in columns])
         return join_spans(out)
 
@@ -161,13 +154,13 @@ class _Cutter:
             return entries[0]
         return dataclasses.replace(entries[0], segments=self.spans(k, [e.segments for e in entries]))
 
-    def _warn_if_parts_differ(self, name: str, spans: Sequence[Sequence[Span]], dtype: DType) -> None:
+    def _warn_if_parts_differ(self, name: str, copies: Sequence[Sequence[Span]]) -> None:
         """A replicated tensor should be equal in every part: part 0's is used, a difference is reported."""
-        if name in self.warned or self.part or len(spans) < 2:  # once per run: by output part 0
+        if name in self.warned or self.part or len(copies) < 2:  # once per run: by output part 0
             return
-        first = _read(self.structures, spans[0])
-        for p, other in enumerate(spans[1:], start=1):
-            data = _read(self.structures, other)
+        first, dtype = _read(self.structures, copies[0])
+        for p, other in enumerate(copies[1:], start=1):
+            data, _ = _read(self.structures, other)
             if data != first:
                 self.warned.add(name)
                 diff = _max_diff(first, data, dtype)
@@ -175,7 +168,8 @@ class _Cutter:
                 return
 
 
-def _pieces(shape: Size, rule: Rule, in_parts: int, out_parts: int, part: int) -> tuple[list[tuple[int, int, int]], int, int]:
+def _pieces(shape: Size, rule: Rule, in_parts: int, out_parts: int,
+            part: int) -> tuple[list[tuple[int, int, int]], int, int]:
     """Output part `part`'s slice as (columns, count, stride): `count` rows, each the columns'
     pieces side by side; a column is (input part, element offset in its slice, length), and
     moves `stride` elements per row there.
@@ -205,28 +199,27 @@ def _pieces(shape: Size, rule: Rule, in_parts: int, out_parts: int, part: int) -
     return columns, outer, stride
 
 
-def _read(structures: Sequence[Any], spans: Sequence[Span]) -> bytes:
-    """The bytes of a (small, replicated) tensor's elements."""
-    out = []
+def _read(structures: Sequence[Any], spans: Sequence[Span]) -> tuple[bytes, DType | None]:
+    """The bytes of a (small, replicated) tensor's elements, and their dtype."""
+    out, dtype = [], None
     for span in spans:
         tensor = structures[span.input]
         for key in span.path:
             tensor = tensor[key]
         source, offset = tensor.storage.locate(tensor.storage_offset + span.start)
         out.append(bytes(read_at(source, offset, span.length * tensor.dtype.itemsize)))
-    return b"".join(out)
+        dtype = tensor.dtype
+    return b"".join(out), dtype
 
 
 def _max_diff(a: bytes, b: bytes, dtype: DType) -> str:
     """max |a - b| of two tensors' bytes, as text ("?" for dtypes that are not floats)."""
     import numpy as np
 
-    def values(data: bytes) -> Any:
-        if dtype.name == "bfloat16":  # the upper half of a float32
-            return (np.frombuffer(data, np.uint16).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
-        return np.frombuffer(data, np.dtype(dtype.name)).astype(np.float64)
-
     if not dtype.is_floating_point:
         return "?"
-    x, y = values(a), values(b)
-    return f"{float(np.max(np.abs(x - y))):.3g}" if x.size else "0"
+    if dtype.name == "bfloat16":  # the upper half of a float32
+        x, y = ((np.frombuffer(data, np.uint16).astype(np.uint32) << 16).view(np.float32) for data in (a, b))
+    else:
+        x, y = (np.frombuffer(data, np.dtype(dtype.name)) for data in (a, b))
+    return f"{float(np.max(np.abs(x.astype(np.float64) - y))):.3g}" if x.size else "0"

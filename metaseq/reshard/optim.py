@@ -12,24 +12,17 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from metaseq.errors import ReshardError
-from metaseq.reshard.layout import ModelLayout, global_params
+from metaseq.reshard.layout import FlatParam, ModelLayout, global_params
 from metaseq.reshard.ranges import OutTensor, Span, plan_range, shard_range
 from metaseq.reshard.schema import OPTIM, is_tensor
 from metaseq.torchzip import DType, Size, TensorRef
 
-__all__ = [
-    "OptimLayout",
-    "StateEntry",
-    "analyze_optimizer",
-    "assemble_consolidated_optimizer",
-    "assemble_flat_optimizer",
-    "check_per_rank_state",
-    "consolidated_optimizer_targets",
-    "flat_optimizer_targets",
-]
+__all__ = ["OptimLayout", "StateEntry", "analyze_optimizer", "assemble_consolidated_optimizer",
+           "assemble_flat_optimizer", "check_per_rank_state", "consolidated_optimizer_targets",
+           "flat_optimizer_targets"]
 
 LAYOUT_KEYS = ("state", "param_id_map", "uncollected_local_ids")
 
@@ -124,8 +117,7 @@ def _flat_entries(osds: Sequence[Mapping[str, Any]], model: ModelLayout) -> dict
     for osd, label in zip(osds[1:], labels[1:]):
         if set(osd["state"]) != set(ids):
             raise ReshardError(
-                f"{label}: {OPTIM} covers flat parameters {sorted(osd['state'])} "
-                f"but {labels[0]} covers {sorted(ids)}"
+                f"{label}: {OPTIM} covers flat parameters {sorted(osd['state'])} but {labels[0]} covers {sorted(ids)}"
             )
     for k in ids:
         if not isinstance(k, int) or not 0 <= k < num_flat:
@@ -158,9 +150,7 @@ def _flat_entry(osds: Sequence[Mapping[str, Any]], model: ModelLayout, k: int, n
     return StateEntry(name, segments=tuple(segments), dtype=values[0].dtype)
 
 
-def _consolidated_entries(
-    osds: Sequence[Mapping[str, Any]], model: ModelLayout
-) -> dict[int, tuple[StateEntry, ...]]:
+def _consolidated_entries(osds: Sequence[Mapping[str, Any]], model: ModelLayout) -> dict[int, tuple[StateEntry, ...]]:
     label, osd = model.labels[0], osds[0]
     if len(osds) > 1:
         raise ReshardError(f"{label}: holds consolidated optimizer state (param_id_map) but is one of several shards")
@@ -182,12 +172,12 @@ def _consolidated_entries(
     entries = {}
     per_element = _per_element_names(state, model)
     for k, ids in by_flat.items():
-        present = [g for g in ids if g in state]
-        if len(present) not in (0, len(ids)):
-            missing = sorted(set(ids) - set(present))
-            raise ReshardError(f"{label}: {OPTIM}.state lacks parameters {missing} of flat parameter '{model.flat_params[k].key}'")
-        if present:
-            entries[k] = _consolidated_flat_param(state, model, k, ids, label, per_element)
+        fp, missing = model.flat_params[k], [g for g in ids if g not in state]
+        if missing and len(missing) < len(ids):
+            raise ReshardError(f"{label}: {OPTIM}.state lacks parameters {missing} of flat parameter '{fp.key}'")
+        if not missing:
+            entries[k] = tuple(_consolidated_entry(state, fp, ids, name, name in per_element, label)
+                               for name in state[ids[0]])
     return entries
 
 
@@ -209,70 +199,46 @@ def _per_element_names(state: Mapping[int, Mapping[str, Any]], model: ModelLayou
     return frozenset(n for n in names if per_element(n))
 
 
-def _consolidated_flat_param(
-    state: Mapping[int, Mapping[str, Any]],
-    model: ModelLayout,
-    k: int,
-    ids: Sequence[int],
-    label: str,
-    per_element: frozenset[str],
-) -> tuple[StateEntry, ...]:
-    fp = model.flat_params[k]
-    entries = []
-    for name, first in state[ids[0]].items():
-        if name not in per_element:
-            gathered = isinstance(first, list) and bool(first) and all(_is_scalar_tensor(v) for v in first)
-            entries.append(StateEntry(name, values=tuple(first) if gathered else (first,), gathered=gathered))
-            continue
-        segments = []
-        for g, param_name, shape in zip(ids, fp.names, fp.shapes):
-            value = state[g].get(name)
-            if not is_tensor(value) or value.numel() != shape.numel():
-                found = list(value.shape) if is_tensor(value) else type(value).__name__
-                raise ReshardError(
-                    f"{label}: {OPTIM}.state[{g}]['{name}'] has shape {found} but parameter '{param_name}' "
-                    f"has shape {list(shape)}"
-                )
-            segments.append(Span(0, (OPTIM, "state", g, name), 0, shape.numel()))
-        entries.append(StateEntry(name, segments=tuple(segments), dtype=first.dtype))
-    return tuple(entries)
+def _consolidated_entry(state: Mapping[int, Mapping[str, Any]], fp: FlatParam, ids: Sequence[int], name: str,
+                        per_element: bool, label: str) -> StateEntry:
+    first = state[ids[0]][name]
+    if not per_element:
+        gathered = isinstance(first, list) and bool(first) and all(_is_scalar_tensor(v) for v in first)
+        return StateEntry(name, values=tuple(first) if gathered else (first,), gathered=gathered)
+    segments = []
+    for g, param_name, shape in zip(ids, fp.names, fp.shapes):
+        value = state[g].get(name)
+        if not is_tensor(value) or value.numel() != shape.numel():
+            found = list(value.shape) if is_tensor(value) else type(value).__name__
+            raise ReshardError(f"{label}: {OPTIM}.state[{g}]['{name}'] has shape {found} but parameter "
+                               f"'{param_name}' has shape {list(shape)}")
+        segments.append(Span(0, (OPTIM, "state", g, name), 0, shape.numel()))
+    return StateEntry(name, segments=tuple(segments), dtype=first.dtype)
 
 
 def flat_optimizer_targets(optim: OptimLayout, model: ModelLayout, world_size: int, rank: int) -> list[OutTensor]:
     """Each per-element state of rank `rank` of `world_size`, padded like its flat parameter."""
-    targets = []
-    for k, entries in optim.entries.items():
-        start, end, padded_len = shard_range(model.flat_params[k].numel, world_size, rank)
-        for e in entries:
-            if e.segments is not None:
-                pieces = plan_range(e.segments, start, end)
-                targets.append(OutTensor((OPTIM, "state", k, e.name), Size([padded_len]), e.dtype, pieces))
-    return targets
+    ranges = (shard_range(fp.numel, world_size, rank) for fp in model.flat_params)
+    return _targets(optim, [(k, k, start, end, Size([padded])) for k, (start, end, padded) in enumerate(ranges)])
 
 
 def consolidated_optimizer_targets(optim: OptimLayout, model: ModelLayout) -> list[OutTensor]:
     """Each per-element state of each original parameter, with its original shape."""
-    targets = []
-    for g, k, j in global_params(model):
-        fp = model.flat_params[k]
-        start, end = fp.ranges()[j]
-        for e in optim.entries.get(k, ()):
-            if e.segments is not None:
-                pieces = plan_range(e.segments, start, end)
-                targets.append(OutTensor((OPTIM, "state", g, e.name), fp.shapes[j], e.dtype, pieces))
-    return targets
+    fps = model.flat_params
+    return _targets(optim, [(g, k, *fps[k].ranges()[j], fps[k].shapes[j]) for g, k, j in global_params(model)])
+
+
+def _targets(optim: OptimLayout, pieces: Sequence[tuple[int, int, int, int, Size]]) -> list[OutTensor]:
+    """Per (state id, flat parameter k, start, end, shape): k's per-element states' elements [start, end)."""
+    return [OutTensor((OPTIM, "state", i, e.name), shape, e.dtype, plan_range(e.segments, start, end))
+            for i, k, start, end, shape in pieces for e in optim.entries.get(k, ()) if e.segments is not None]
 
 
 def assemble_flat_optimizer(
     osd0: Mapping[str, Any], optim: OptimLayout, model: ModelLayout, tensors: Mapping[tuple, TensorRef], rank: int
 ) -> dict[str, Any]:
     """One rank's flat optimizer state_dict; other keys (param_groups, loss_scale) from rank 0."""
-    state = {}
-    for k, entries in optim.entries.items():
-        state[k] = {
-            e.name: tensors[(OPTIM, "state", k, e.name)] if e.segments is not None else e.flat_value(rank)
-            for e in entries
-        }
+    state = {k: _state(entries, k, tensors, lambda e: e.flat_value(rank)) for k, entries in optim.entries.items()}
     out = _carried(osd0, state)
     if optim.consolidated:  # back to one id per flat parameter, as fairscale's flatten_optim_state_dict
         out["param_groups"][0]["params"] = list(range(len(model.flat_params)))
@@ -283,20 +249,19 @@ def assemble_consolidated_optimizer(
     osd0: Mapping[str, Any], optim: OptimLayout, model: ModelLayout, tensors: Mapping[tuple, TensorRef]
 ) -> dict[str, Any]:
     """fairscale's consolidated layout, exactly as `gather_full_optim_state_dict` returns it."""
-    state, id_map = {}, {}
-    for g, k, _ in global_params(model):
-        entries = optim.entries.get(k)
-        id_map[g] = k if entries is not None else None
-        if entries is not None:
-            state[g] = {
-                e.name: tensors[(OPTIM, "state", g, e.name)] if e.segments is not None else e.consolidated_value()
-                for e in entries
-            }
+    id_map = {g: k if k in optim.entries else None for g, k, _ in global_params(model)}
+    state = {g: _state(optim.entries[k], g, tensors, StateEntry.consolidated_value)
+             for g, k in id_map.items() if k is not None}
     out = _carried(osd0, state)
     out["param_groups"][0]["params"] = list(range(len(id_map)))
     out["param_id_map"] = id_map
     out["uncollected_local_ids"] = []
     return out
+
+
+def _state(entries: Sequence[StateEntry], i: int, tensors: Mapping[tuple, TensorRef],
+           scalar: Callable[[StateEntry], Any]) -> dict[str, Any]:
+    return {e.name: tensors[(OPTIM, "state", i, e.name)] if e.segments is not None else scalar(e) for e in entries}
 
 
 def _carried(osd0: Mapping[str, Any], state: dict[int, dict[str, Any]]) -> dict[str, Any]:
