@@ -59,10 +59,9 @@ class TensorSet:
 def open_tensor_set(paths: Sequence[str], *, trust: bool = False, skip_optimizer_state: bool = False) -> TensorSet:
     """Validate and open the files of one checkpoint (ordered by shard index); reads only pickles."""
     inputs = read_inputs(paths, trust=trust)
-    first, model = inputs[0].structure, inputs[0].structure.get("model")
-    # flat parameters without shard_metadata: analyze_inputs explains why that cannot work
-    flat = isinstance(model, Mapping) and any("flat_param_" in str(k) for k in model)
-    if len(paths) == 1 and "shard_metadata" not in first and not flat:
+    first = inputs[0].structure
+    flat = isinstance(first.get("model"), Mapping) and any("flat_param_" in str(k) for k in first["model"])
+    if len(paths) == 1 and "shard_metadata" not in first and not flat:  # flat: analyze_inputs says what is missing
         return _plain_tensor_set(inputs[0], skip_optimizer_state)
     options = ReshardOptions(skip_optimizer_state=skip_optimizer_state)
     return tensor_set_from_source(analyze_inputs([i.structure for i in inputs], list(paths), options), inputs)
@@ -174,8 +173,8 @@ def compare_tensor_sets(a: TensorSet, b: TensorSet, *, atol: float = 0.0, exact_
         return result
     result.optimizer_compared = True
     result.optimizer_tensors = _compare_tensors(a, b, "optim", result, atol, exact_dtype)
-    result.optimizer_scalars = _compare_values(a.optim_scalars, b.optim_scalars, result)
-    _compare_values(a.optim_settings, b.optim_settings, result)
+    result.optimizer_scalars = _compare_optim_values(a.optim_scalars, b.optim_scalars, result)
+    _compare_optim_values(a.optim_settings, b.optim_settings, result)
     return result
 
 
@@ -206,8 +205,7 @@ def _compare_tensors(a: TensorSet, b: TensorSet, which: str, result: Comparison,
     return compared
 
 
-def _compare_values(va: Mapping[str, Any], vb: Mapping[str, Any], result: Comparison) -> int:
-    """Optimizer scalars or settings; returns how many are on both sides."""
+def _compare_optim_values(va: Mapping[str, Any], vb: Mapping[str, Any], result: Comparison) -> int:
     common = _common(va, vb, "optimizer ", result)
     for key in (k for k in common if not _same_value(va[k], vb[k])):
         result.differences.append(Difference(f"optimizer {key}", f"{_short(va[key])} vs {_short(vb[key])}"))

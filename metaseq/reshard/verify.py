@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import Sequence
 
 from metaseq.errors import CheckpointLoadError, ReshardError
 from metaseq.file_io import check_checkpoint_crc
 from metaseq.reshard.compare import compare_tensor_sets, tensor_set_from_source
 from metaseq.reshard.options import ReshardOptions
-from metaseq.reshard.plan import Plan, Source, analyze_inputs, read_inputs
+from metaseq.reshard.plan import Plan, analyze_inputs, read_inputs
 from metaseq.reshard.ranges import shard_range
 from metaseq.reshard.write import remove_outputs
 
@@ -63,27 +62,13 @@ def verify_reshard_outputs(plan: Plan) -> str:
 
 
 def _verify_part(plan: Plan, part: int) -> Counter:
-    """One model part's outputs against the inputs they were planned from; returns what was compared."""
-    outs = [out for out in plan.outputs if out.part == part]
+    """One model part's outputs against the inputs they were planned from: first their metadata (the planned
+    parameters and ties, in the planned form, each flat rank padded as FSDP pads it), then every value."""
+    outs, opts = [out for out in plan.outputs if out.part == part], plan.options
     planned, paths = outs[0].source or plan.source, [out.path for out in outs]
-    files = read_inputs(paths, trust=plan.options.trust_checkpoint)
-    source = analyze_inputs([f.structure for f in files], paths, ReshardOptions())
-    _check_form(plan, planned, source, paths)
-    outputs = tensor_set_from_source(source, files)
-    result = compare_tensor_sets(tensor_set_from_source(planned, plan.inputs, plan.options.output_dtype), outputs,
-                                 exact_dtype=True)
-    if not result.equal:
-        first = result.differences[0]
-        raise ReshardError(f"{len(result.differences)} difference(s) between the outputs and the inputs, "
-                           f"first {first.name}: {first.detail}")
-    buffers = len(outputs.buffers)
-    return Counter(parameters=result.model_tensors - buffers, buffers=buffers, tensors=result.optimizer_tensors,
-                   scalars=result.optimizer_scalars, optimizer=result.optimizer_compared)
-
-
-def _check_form(plan: Plan, planned: Source, found: Source, paths: Sequence[str]) -> None:
-    """The planned parameters and ties, in the planned form, each flat rank padded as FSDP pads it."""
-    ref, out, opts = planned.model, found.model, plan.options
+    files = read_inputs(paths, trust=opts.trust_checkpoint)
+    found = analyze_inputs([f.structure for f in files], paths, ReshardOptions())
+    ref, out = planned.model, found.model
     if out.unflattened != opts.unflatten_weights:
         raise ReshardError(f"{paths[0]} is {'unflattened' if out.unflattened else 'flat'}, unlike the plan")
     if len(out.flat_params) != len(ref.flat_params) or out.ties != ref.ties:
@@ -93,11 +78,19 @@ def _check_form(plan: Plan, planned: Source, found: Source, paths: Sequence[str]
             raise ReshardError(f"{paths[0]}: flat parameter '{mine.key}' differs from the inputs' metadata")
     if (found.optim is None) != (planned.optim is None):
         raise ReshardError(f"{paths[0]} {'lacks' if found.optim is None else 'has'} optimizer state, unlike the plan")
-    if opts.unflatten_weights:
-        return
-    for k, fp in enumerate(out.flat_params):
+    for k, fp in enumerate(out.flat_params if not opts.unflatten_weights else ()):  # FSDP's padding, rank by rank
         for rank, (path, padded, kept) in enumerate(zip(paths, out.padded_lengths[k], out.kept_lengths[k])):
             start, end, padded_len = shard_range(fp.numel, opts.num_output_shards, rank)
             if (padded, kept) != (padded_len, end - start):
                 raise ReshardError(f"{path}: '{fp.key}' holds {kept} of {padded} elements, "
                                    f"expected {end - start} of {padded_len}")
+    inputs = tensor_set_from_source(planned, plan.inputs, opts.output_dtype)
+    outputs = tensor_set_from_source(found, files)
+    result = compare_tensor_sets(inputs, outputs, exact_dtype=True)
+    if not result.equal:
+        first = result.differences[0]
+        raise ReshardError(f"{len(result.differences)} difference(s) between the outputs and the inputs, "
+                           f"first {first.name}: {first.detail}")
+    buffers = len(outputs.buffers)
+    return Counter(parameters=result.model_tensors - buffers, buffers=buffers, tensors=result.optimizer_tensors,
+                   scalars=result.optimizer_scalars, optimizer=result.optimizer_compared)
