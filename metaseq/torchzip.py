@@ -5,18 +5,18 @@
 
 Resharding never computes on tensor values: it moves byte ranges, and importing torch
 alone takes about as long as copying a 2 GB checkpoint. So each input's pickle is read
-by a restricted unpickler and each output is written as torch's own writer lays it out:
-a protocol-2 pickle in `archive/data.pkl`, one stored zip record per storage, record
-data aligned to 64 bytes (what `torch.load(mmap=True)` expects), zip64 where sizes need
-it, CRC32s on the small records (and on all of them with `crc32=True`).
+by a restricted unpickler and each output is written as torch.save writes it: the same
+protocol-2 pickle in `archive/data.pkl`, one stored zip record per storage, record data
+aligned to 64 bytes (what `torch.load(mmap=True)` expects), zip64 where sizes need it,
+CRC32s on the small records (and on all of them with `crc32=True`).
 
 The unpickler resolves only the format's own globals (tensor rebuilding, storage types,
-`torch.Size`, dtypes, `OrderedDict`). Any other global (a `Namespace`, a `DictConfig`,
-a class of a package this one lacks) is never imported or called: the object becomes an
-`Opaque` record of its global, arguments, state and items, and the writer pickles it
-back the same way, so a loader that has the class gets an equal object. What this
-reader cannot take (torch's legacy format, big-endian data) raises `NeedsTorch`: the
-caller loads it with torch and turns it into the same form (`from_torch`).
+`torch.Size`, dtypes, `OrderedDict`). Any other (a `Namespace`, a class of a package this
+one lacks) is never imported or called: the object becomes an `Opaque` record of how the
+pickle built it, which the writer pickles back the same way (so a loader that has the
+class gets an equal object). What this reader cannot take (torch's legacy format,
+big-endian data) raises `NeedsTorch`: the caller loads it with torch and turns it into
+the same form (`from_torch`).
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ import dataclasses
 import errno
 import functools
 import io
+import math
 import os
 import pickle
 import struct
@@ -35,7 +36,7 @@ import threading
 import zipfile
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Iterable, Iterator, NamedTuple, Sequence
+from typing import Any, Callable, ClassVar, Iterator, NamedTuple, Sequence
 
 from metaseq.errors import CheckpointLoadError
 
@@ -52,7 +53,6 @@ __all__ = [
     "copy_file_range_all",
     "dtype_by_name",
     "from_torch",
-    "gaps",
     "pwrite_all",
     "pickle_bytes",
     "read_at",
@@ -116,10 +116,7 @@ class Size(tuple):
     """torch.Size stand-in: a tuple that pickles as `torch.Size` again."""
 
     def numel(self) -> int:
-        n = 1
-        for dim in self:
-            n *= dim
-        return n
+        return math.prod(self)
 
     def __repr__(self) -> str:
         return f"torch.Size({list(self)})"
@@ -167,11 +164,10 @@ class Storage:
 class TensorRef:
     """A tensor as torch's pickle describes it: a view (offset, shape, stride) of a storage.
 
-    The contract, which is all that code handling checkpoints may rely on: `shape`,
-    `dtype`, `numel()`, `dim()`, `is_contiguous()`; `storage.locate(storage_offset + e)`
-    tells where element e lies; `compact()` is a copy with its own storage (torch's
-    `clone`); `value()` is the number a one-element tensor holds, from bytes the reader
-    already has (no file is opened). It does not imitate torch.Tensor beyond that.
+    All that code handling checkpoints may rely on: `shape`, `dtype`, `numel()`, `dim()`,
+    `is_contiguous()`; `storage.locate(storage_offset + e)` tells where element e lies;
+    `compact()` is a copy with its own storage (torch's `clone`); `value()`, from bytes the
+    reader already has. It does not imitate torch.Tensor beyond that.
     """
 
     storage: Storage
@@ -191,12 +187,8 @@ class TensorRef:
         return self.shape.numel()
 
     def is_contiguous(self) -> bool:
-        expected = 1
-        for dim, step in zip(reversed(self.shape), reversed(self.stride)):
-            if dim != 1 and step != expected:
-                return False
-            expected *= dim
-        return True
+        expected = _contiguous(self.shape)
+        return all(dim == 1 or step == want for dim, step, want in zip(self.shape, self.stride, expected))
 
     def compact(self, shape: Sequence[int] | None = None) -> TensorRef:
         """A contiguous copy (of `shape`, default the same) with a storage of just its elements."""
@@ -224,21 +216,16 @@ class TensorRef:
 
 
 def _contiguous(shape: Sequence[int]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for dim in reversed(shape):
-        strides.append(step)
-        step *= dim
-    return tuple(reversed(strides))
+    return tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
 
 
 class Opaque:
     """An object of a global the reader does not resolve, kept as its pickle built it.
 
-    One subclass per global and file (`module`, `qualname`); the class itself stands for
-    the global where a pickle uses it as a value. An instance holds the `args` of the
-    REDUCE (`called`) or NEWOBJ that made it, the `state` BUILD gave it (None: no BUILD),
-    and the `items` and `entries` APPENDS and SETITEMS added. Nothing of the original
-    class runs.
+    One subclass per global and file (`module`, `qualname`), standing for the global where a
+    pickle uses it as a value. An instance holds the `args` of the REDUCE (`called`) or NEWOBJ
+    that made it, the `state` BUILD gave it (None: no BUILD), and the `items` and `entries`
+    APPEND(S) and SETITEM(S) added. Nothing of the original class runs.
     """
 
     module: ClassVar[str] = ""
@@ -259,9 +246,6 @@ class Opaque:
 
     def append(self, item: Any) -> None:
         self.items.append(item)
-
-    def extend(self, items: Iterable[Any]) -> None:
-        self.items.extend(items)
 
     def __setitem__(self, key: Any, value: Any) -> None:
         self.entries.append((key, value))
@@ -288,24 +272,20 @@ class Record(NamedTuple):
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, ..., file name length, extra field length
 
 
-def read_at(source: str | bytes | memoryview, offset: int, size: int) -> bytearray | memoryview:
-    """`size` bytes at `offset` of a file (by path) or of bytes in memory."""
+def read_at(source: str | bytes | memoryview, offset: int, size: int, *, reuse: bool = False) -> bytearray | memoryview:
+    """`size` bytes at `offset` of a file (by path) or of bytes in memory; a file's in a new buffer, or with
+    `reuse` in this thread's read buffer (see `_thread_buffer`), valid until the thread's next such read."""
     if not isinstance(source, str):
         return memoryview(source)[offset : offset + size]
-    out = bytearray(size)
-    _read_into(source, offset, memoryview(out))
-    return out
-
-
-def _read_into(path: str, offset: int, view: memoryview) -> None:
-    """Fill `view` with the bytes at `offset` of the file `path`."""
-    with open(path, "rb") as f:
+    out = _thread_buffer("read", size) if reuse else bytearray(size)
+    with open(source, "rb") as f:
         pos = 0
-        while pos < len(view):
-            n = os.preadv(f.fileno(), [view[pos:]], offset + pos)
+        while pos < size:
+            n = os.preadv(f.fileno(), [memoryview(out)[pos:]], offset + pos)
             if n == 0:
-                raise OSError(errno.EIO, f"{path} ended early (changed while resharding?)")
+                raise OSError(errno.EIO, f"{source} ended early (changed while resharding?)")
             pos += n
+    return out
 
 
 def zip_records(source: str | bytes) -> dict[str, Record]:
@@ -319,33 +299,29 @@ def zip_records(source: str | bytes) -> dict[str, Record]:
         with open(source, "rb") if isinstance(source, str) else io.BytesIO(source) as f:
             if f.read(4) != b"PK\x03\x04":
                 raise NeedsTorch("not a zip file")
-            size = f.seek(0, os.SEEK_END)
+            file_size = f.seek(0, os.SEEK_END)
             with zipfile.ZipFile(f) as archive:
-                return _records(f, archive.infolist(), size)
+                infos = archive.infolist()
+            if not infos or "/" not in infos[0].filename:
+                raise NeedsTorch("a zip file but not a torch checkpoint")
+            prefix, records = infos[0].filename.split("/", 1)[0] + "/", {}
+            for info in infos:
+                if not info.filename.startswith(prefix) or info.compress_type != zipfile.ZIP_STORED:
+                    raise NeedsTorch(f"record {info.filename} is compressed or outside {prefix}")
+                f.seek(info.header_offset)
+                signature, name_len, extra_len = _LOCAL_HEADER.unpack(f.read(_LOCAL_HEADER.size))
+                if signature != b"PK\x03\x04":
+                    raise zipfile.BadZipFile(f"bad local header of {info.filename}")
+                start = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
+                if start + info.file_size > file_size:
+                    raise zipfile.BadZipFile(f"record {info.filename} runs past the end of the file")
+                records[info.filename[len(prefix):]] = Record(start, info.file_size, info.CRC)
+            return records
     except FileNotFoundError:
         raise CheckpointLoadError(f"{name}: no such file") from None
     except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError, NotImplementedError,
             struct.error) as e:
         raise corrupt(name, e) from None
-
-
-def _records(f: Any, infos: list[zipfile.ZipInfo], file_size: int) -> dict[str, Record]:
-    if not infos or "/" not in infos[0].filename:
-        raise NeedsTorch("a zip file but not a torch checkpoint")
-    prefix = infos[0].filename.split("/", 1)[0] + "/"
-    records = {}
-    for info in infos:
-        if not info.filename.startswith(prefix) or info.compress_type != zipfile.ZIP_STORED:
-            raise NeedsTorch(f"record {info.filename} is compressed or outside {prefix}")
-        f.seek(info.header_offset)
-        signature, name_len, extra_len = _LOCAL_HEADER.unpack(f.read(_LOCAL_HEADER.size))
-        if signature != b"PK\x03\x04":
-            raise zipfile.BadZipFile(f"bad local header of {info.filename}")
-        start = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
-        if start + info.file_size > file_size:
-            raise zipfile.BadZipFile(f"record {info.filename} runs past the end of the file")
-        records[info.filename[len(prefix):]] = Record(start, info.file_size, info.CRC)
-    return records
 
 
 def corrupt(path: str, error: BaseException) -> CheckpointLoadError:
@@ -497,21 +473,15 @@ def _gather(copies: Sequence[Copy], lo: int, out: memoryview, dtype: DType) -> N
     for copy in copies:
         by_source.setdefault(id(copy.source), []).append(copy)
     for group in by_source.values():
-        group.sort(key=lambda c: c.src_offset)
-        first = 0
-        while first < len(group):
-            start, last, end = group[first].src_offset, first, 0
-            while last < len(group) and (last == first or _end(group[last]) - start <= WINDOW_BYTES):
-                end, last = max(end, _end(group[last])), last + 1
-            data = np.frombuffer(_read_window(group[first].source, start, end - start), np.uint8)
-            for copy in group[first:last]:
+        for start, end, run in _runs(group, _source_span):
+            data = np.frombuffer(read_at(run[0].source, start, end - start, reuse=True), np.uint8)
+            for copy in run:
                 src_row, dst_row = copy.numel * copy.src_dtype.itemsize, copy.numel * dtype.itemsize
                 rows = _strided(data, copy.src_offset - start, copy.count, src_row, copy.src_stride)
                 if copy.src_dtype != dtype:
                     rows = np.frombuffer(_cast(np.ascontiguousarray(rows), copy.src_dtype, dtype), np.uint8)
                 _strided(target, copy.dst_offset - lo, copy.count, dst_row, copy.dst_stride)[...] = (
                     rows.reshape(copy.count, dst_row))
-            first = last
 
 
 def _strided(data: Any, offset: int, count: int, row: int, stride: int) -> Any:
@@ -536,42 +506,40 @@ def _thread_buffer(name: str, size: int) -> memoryview:
     return memoryview(buffer)[:size]
 
 
-def _read_window(source: str | bytes | memoryview, offset: int, size: int) -> memoryview:
-    """`size` bytes at `offset` of `source`; a file's in this thread's read buffer, until its next call."""
-    if not isinstance(source, str):
-        return memoryview(source)[offset : offset + size]
-    view = _thread_buffer("read", size)
-    _read_into(source, offset, view)
-    return view
-
-
 def _windows(copies: Sequence[Copy], itemsize: int) -> Iterator[tuple[int, int, list[Copy]]]:
     """(lo, hi, copies): the copies in storage order, grouped into byte ranges [lo, hi) of at most
     WINDOW_BYTES to gather in memory; a plain copy larger than that comes alone."""
-    group: list[Copy] = []
-    lo = hi = 0
     pieces = []
     for copy in copies:
         pitch = copy.dst_stride or copy.numel * itemsize
         # repeating copies: as many rows at a time as fit a window, in the output and in the input
         per = max(1, WINDOW_BYTES // max(pitch, copy.src_stride)) if copy.count > 1 else 1
-        pieces += [copy._replace(src_offset=copy.src_offset + first * copy.src_stride, dst_offset=copy.dst_offset +
-                                 first * pitch, count=min(per, copy.count - first)) for first in range(0, copy.count, per)]
-    for piece in sorted(pieces, key=lambda c: c.dst_offset):
-        end = piece.dst_offset + piece.extent(itemsize)
-        if group and end - lo > WINDOW_BYTES:
-            yield lo, hi, group
-            group = []
-        if not group:
-            lo = hi = piece.dst_offset
-        group.append(piece)
+        pieces += [copy._replace(src_offset=copy.src_offset + first * copy.src_stride,
+                                 dst_offset=copy.dst_offset + first * pitch, count=min(per, copy.count - first))
+                   for first in range(0, copy.count, per)]
+    return _runs(pieces, lambda c: (c.dst_offset, c.dst_offset + c.extent(itemsize)))
+
+
+def _runs(copies: list[Copy], span: Callable[[Copy], tuple[int, int]]) -> Iterator[tuple[int, int, list[Copy]]]:
+    """(lo, hi, copies): `copies` in order of where their `span` (start, end) starts, grouped into
+    ranges [lo, hi) of at most WINDOW_BYTES; a copy longer than that comes alone."""
+    run: list[Copy] = []
+    lo = hi = 0
+    for copy in sorted(copies, key=lambda c: span(c)[0]):
+        start, end = span(copy)
+        if run and end - lo > WINDOW_BYTES:
+            yield lo, hi, run
+            run = []
+        if not run:
+            lo = hi = start
+        run.append(copy)
         hi = max(hi, end)
-    if group:
-        yield lo, hi, group
+    if run:
+        yield lo, hi, run
 
 
-def _end(copy: Copy) -> int:
-    return copy.src_offset + (copy.count - 1) * copy.src_stride + copy.numel * copy.src_dtype.itemsize
+def _source_span(copy: Copy) -> tuple[int, int]:
+    return copy.src_offset, copy.src_offset + (copy.count - 1) * copy.src_stride + copy.numel * copy.src_dtype.itemsize
 
 
 def _cast(data: bytes | memoryview, src: DType, dst: DType) -> bytes:
@@ -613,12 +581,9 @@ _PICKLED = {type(None), bool, int, float, str, bytes, tuple, list, dict, collect
 
 
 class _Pickler(pickle._Pickler):
-    """Protocol-2 pickle of what `read_checkpoint` returns, as torch.save writes it (Python's own pickler,
-    whose `save_global` can name globals this package stands in for).
-
-    Storages are persistent ids ('storage', torch.<X>Storage, key, 'cpu', numel), keys "0", "1", ...
-    in order of first use. The memo keeps shared objects (tied weights) shared on load.
-    """
+    """The protocol-2 pickle torch.save writes (with Python's own pickler, whose `save_global` can write
+    globals this module stands in for). Storages are persistent ids ('storage', torch.<X>Storage, key,
+    'cpu', numel), keys "0", "1", ... in order of first use; shared objects (tied weights) stay shared."""
 
     def __init__(self) -> None:
         self.buffer = io.BytesIO()
@@ -653,14 +618,11 @@ class _Pickler(pickle._Pickler):
 
     def save_global(self, obj: Any, name: str | None = None) -> None:
         if type(obj) is DType:
-            obj = _marker("torch", obj.name)  # one GLOBAL per dtype, as torch memoizes its dtype objects
-            if id(obj) in self.memo:
-                self.write(self.get(self.memo[id(obj)][0]))
-                return
-        if not (isinstance(obj, type) and issubclass(obj, Opaque)):
-            super().save_global(obj, name)
-            return
-        self.write(f"c{obj.module}\n{obj.qualname}\n".encode())
+            self.write(f"ctorch\n{obj.name}\n".encode())
+        elif isinstance(obj, type) and issubclass(obj, Opaque):  # also the format's globals (`_marker`)
+            self.write(f"c{obj.module}\n{obj.qualname}\n".encode())
+        else:
+            return super().save_global(obj, name)
         self.memoize(obj)
 
 
@@ -679,29 +641,22 @@ class _Entry:
     data_offset: int = 0
 
 
-def _local_header(entry: _Entry) -> bytes:
-    """Local file header + extra fields, padded so the data starts at a multiple of ALIGNMENT."""
-    zip64 = entry.size >= ZIP64_LIMIT
-    extra = struct.pack("<HHQQ", 1, 16, entry.size, entry.size) if zip64 else b""
-    sizes = (_ZIP64_MARK, _ZIP64_MARK) if zip64 else (entry.size, entry.size)
-    fixed = 30 + len(entry.name) + len(extra) + 4  # + the padding field's own header
-    pad = -(entry.header_offset + fixed) % ALIGNMENT
-    extra += struct.pack("<HH", 0x4246, pad) + b"Z" * pad  # "FB": torch's padding field
-    head = struct.pack("<4sHHHHHIIIHH", b"PK\x03\x04", 45 if zip64 else 20, 0, 0, 0, 33, entry.crc, *sizes,
-                       len(entry.name), len(extra))
-    return head + entry.name + extra
-
-
-def _central_entry(entry: _Entry) -> bytes:
-    values = [entry.size, entry.size, entry.header_offset]
-    big = [v >= ZIP64_LIMIT for v in values]
-    extra = b"".join(struct.pack("<Q", v) for v, b in zip(values, big) if b)
-    if extra:
-        extra = struct.pack("<HH", 1, len(extra)) + extra
-    shown = [_ZIP64_MARK if b else v for v, b in zip(values, big)]
-    version = 45 if extra else 20
-    return struct.pack("<4sHHHHHHIIIHHHHHII", b"PK\x01\x02", version, version, 0, 0, 0, 33, entry.crc,
-                       shown[0], shown[1], len(entry.name), len(extra), 0, 0, 0, 0, shown[2]) + entry.name + extra
+def _header(entry: _Entry, central: bool = False) -> bytes:
+    """The entry's local header, padded so that its data starts at a multiple of ALIGNMENT; or with `central`,
+    its central directory entry. Sizes and offsets too big for their fields go into a zip64 extra field."""
+    values = [entry.size, entry.size, entry.header_offset][: 3 if central else 2]
+    big = [v for v in values if v >= ZIP64_LIMIT]
+    extra = struct.pack(f"<HH{len(big)}Q", 1, 8 * len(big), *big) if big else b""
+    if not central:
+        pad = -(entry.header_offset + 30 + len(entry.name) + len(extra) + 4) % ALIGNMENT  # 4: the field's header
+        extra += struct.pack("<HH", 0x4246, pad) + b"Z" * pad  # "FB": torch's padding field
+    version = 45 if big else 20
+    shown = [_ZIP64_MARK if v >= ZIP64_LIMIT else v for v in values]
+    fields = struct.pack("<HHHHHIIIHH", version, 0, 0, 0, 33, entry.crc, shown[0], shown[1], len(entry.name),
+                         len(extra))
+    if central:  # version made by first; then comment length, disk, attributes, the local header's offset
+        fields = struct.pack("<H", version) + fields + struct.pack("<HHHII", 0, 0, 0, 0, shown[2])
+    return (b"PK\x01\x02" if central else b"PK\x03\x04") + fields + entry.name + extra
 
 
 def _end_records(count: int, cd_offset: int, cd_size: int) -> bytes:
@@ -747,57 +702,52 @@ def write_checkpoint(fd: int, obj: Any, *, archive: str = "archive", crc32: bool
     offset = 0
     for entry in entries:
         entry.header_offset = offset
-        entry.data_offset = offset + len(_local_header(entry))
+        entry.data_offset = offset + len(_header(entry))
         offset = entry.data_offset + entry.size
-    by_source: dict[str, list[tuple[int, int, Copy, DType]]] = {}  # file: (src offset, dst offset, copy, dtype)
+    os.ftruncate(fd, offset)  # what no copy covers (padding, zeros) is never written: it reads as zeros
+    by_source: dict[str, list[tuple[Copy, _Entry]]] = {}  # input file: copies from it, and their entries
     for entry in entries:
-        if entry.data is not None:
-            pwrite_all(fd, entry.data, entry.data_offset)
-            continue
-        storage = entry.storage
-        spans = ((c.dst_offset, c.extent(storage.dtype.itemsize)) for c in storage.copies)
-        for start, nbytes in gaps(spans, storage.nbytes):  # padding (copies side by side fill each other's gaps)
-            _write_zeros(fd, entry.data_offset + start, nbytes)
-        rows = any(c.count > 1 for c in storage.copies)  # a model-parallel cut on the second dim
-        if rows or (len(storage.copies) > MANY_COPIES and storage.nbytes <= WINDOW_BYTES):
-            # gathered a window at a time (a big storage of many plain copies, e.g. 256 -> 1, is
-            # copied file to file, input by input, like any other)
-            plain = []
-            for lo, hi, group in _windows(storage.copies, storage.dtype.itemsize):
-                if len(group) == 1 and group[0].count == 1:  # one big copy: file to file
-                    plain += group
-                else:
-                    window = _thread_buffer("window", hi - lo)
-                    _gather(group, lo, window, storage.dtype)
-                    pwrite_all(fd, window, entry.data_offset + lo, report)
-        else:
-            plain = storage.copies
-        for copy in plain:
+        for copy in _gathered(fd, entry, report) if entry.storage else ():
             if isinstance(copy.source, str):
-                by_source.setdefault(copy.source, []).append((copy.src_offset, entry.data_offset, copy, storage.dtype))
+                by_source.setdefault(copy.source, []).append((copy, entry))
             else:
-                _copy_chunks(copy, -1, fd, entry.data_offset, storage.dtype, report)
+                _copy_chunks(copy, -1, fd, entry, report)
     for path, copies in by_source.items():
-        src = os.open(path, os.O_RDONLY)
-        try:
-            for _, base, copy, dtype in sorted(copies, key=lambda c: c[0]):
-                _copy_chunks(copy, src, fd, base, dtype, report)
-        finally:
-            os.close(src)
-    if crc32:
-        for entry in (e for e in entries if e.storage is not None):
-            entry.crc = _crc32_of(fd, entry.data_offset, entry.size)
+        with open(path, "rb") as src:
+            for copy, entry in sorted(copies, key=lambda c: c[0].src_offset):
+                _copy_chunks(copy, src.fileno(), fd, entry, report)
     for entry in entries:
-        pwrite_all(fd, _local_header(entry), entry.header_offset)
-    cd = b"".join(_central_entry(e) for e in entries)
+        for start in range(0, entry.size, CHUNK_BYTES) if crc32 and entry.storage else ():
+            chunk = os.pread(fd, min(CHUNK_BYTES, entry.size - start), entry.data_offset + start)
+            entry.crc = zlib.crc32(chunk, entry.crc)
+        pwrite_all(fd, _header(entry) + (entry.data or b""), entry.header_offset)
+    cd = b"".join(_header(e, central=True) for e in entries)
     tail = cd + _end_records(len(entries), offset, len(cd))
     pwrite_all(fd, tail, offset)
     return offset + len(tail)
 
 
-def _copy_chunks(copy: Copy, src: int, fd: int, base: int, dtype: DType, report: Report | None) -> None:
-    """One copy into the storage whose data starts at byte `base` of `fd`; `src` is its open file, if any."""
-    dst = base + copy.dst_offset
+def _gathered(fd: int, entry: _Entry, report: Report | None) -> list[Copy]:
+    """Write what is gathered in memory of a storage, a window at a time (rows of a model-parallel cut, many
+    small copies); the copies left to copy one by one (file to file where they can)."""
+    storage = entry.storage
+    rows = any(c.count > 1 for c in storage.copies)  # a model-parallel cut on the second dim
+    if not rows and (len(storage.copies) <= MANY_COPIES or storage.nbytes > WINDOW_BYTES):
+        return storage.copies  # also a big storage of many plain copies (256 -> 1): input by input
+    plain = []
+    for lo, hi, group in _windows(storage.copies, storage.dtype.itemsize):
+        if len(group) == 1 and group[0].count == 1:  # one big copy: file to file
+            plain += group
+        else:
+            window = _thread_buffer("window", hi - lo)
+            _gather(group, lo, window, storage.dtype)
+            pwrite_all(fd, window, entry.data_offset + lo, report)
+    return plain
+
+
+def _copy_chunks(copy: Copy, src: int, fd: int, entry: _Entry, report: Report | None) -> None:
+    """One copy into the entry's storage; `src` is its source's open file, if any."""
+    dtype, dst = entry.storage.dtype, entry.data_offset + copy.dst_offset
     if copy.src_dtype == dtype and src >= 0:
         copy_file_range_all(src, fd, copy.numel * dtype.itemsize, copy.src_offset, dst, report)
         return
@@ -808,32 +758,6 @@ def _copy_chunks(copy: Copy, src: int, fd: int, base: int, dtype: DType, report:
         if copy.src_dtype != dtype:
             data = _cast(data, copy.src_dtype, dtype)
         pwrite_all(fd, data, dst + first * dtype.itemsize, report)
-
-
-def _crc32_of(fd: int, offset: int, size: int) -> int:
-    crc = 0
-    for start in range(0, size, CHUNK_BYTES):
-        crc = zlib.crc32(os.pread(fd, min(CHUNK_BYTES, size - start), offset + start), crc)
-    return crc
-
-
-def gaps(spans: Iterable[tuple[int, int]], total: int) -> Iterator[tuple[int, int]]:
-    """(start, length) of the parts of [0, total) that no (start, length) span covers."""
-    pos = 0
-    for start, length in sorted(spans):
-        if start > pos:
-            yield pos, start - pos
-        pos = max(pos, start + length)
-    if pos < total:
-        yield pos, total - pos
-
-
-def _write_zeros(fd: int, offset: int, nbytes: int) -> None:
-    zeros = bytes(min(nbytes, CHUNK_BYTES))
-    while nbytes:
-        n = min(nbytes, len(zeros))
-        pwrite_all(fd, memoryview(zeros)[:n], offset)
-        offset, nbytes = offset + n, nbytes - n
 
 
 def pwrite_all(fd: int, data: bytes | memoryview, offset: int, report: Report | None = None) -> None:
@@ -857,7 +781,6 @@ def copy_file_range_all(src: int, dst: int, nbytes: int, src_offset: int, dst_of
     use_kernel = hasattr(os, "copy_file_range")
     while nbytes:
         step = min(nbytes, CHUNK_BYTES)
-        n = 0
         if use_kernel:
             try:
                 n = os.copy_file_range(src, dst, step, src_offset, dst_offset)
@@ -865,25 +788,19 @@ def copy_file_range_all(src: int, dst: int, nbytes: int, src_offset: int, dst_of
                 if e.errno not in _NO_COPY_FILE_RANGE:
                     raise
                 use_kernel = False
-            else:
-                _start_writeback(dst, dst_offset, n)
         if not use_kernel:
-            data = os.pread(src, step, src_offset)
-            pwrite_all(dst, data, dst_offset)
-            n = len(data)
+            n = os.pwrite(dst, os.pread(src, step, src_offset), dst_offset)  # a short write: the rest next round
         if n == 0:
             raise OSError(errno.EIO, f"input ended {nbytes} bytes early (file changed while resharding?)")
+        _start_writeback(dst, dst_offset, n)
         if report is not None:
             report(n)
         nbytes, src_offset, dst_offset = nbytes - n, src_offset + n, dst_offset + n
 
 
 def _start_writeback(fd: int, offset: int, length: int) -> None:
-    """Have the kernel start writing these bytes to disk now, so the final fsync finds little left.
-
-    On Linux, POSIX_FADV_DONTNEED on dirty pages starts their writeback without waiting
-    (and drops only pages already clean); elsewhere this does nothing.
-    """
+    """Start writing these bytes to disk now, so the final fsync finds little left: on Linux, POSIX_FADV_DONTNEED
+    on dirty pages starts their writeback without waiting (and drops only pages already clean)."""
     if length >= CHUNK_BYTES // 4 and hasattr(os, "posix_fadvise"):
         with contextlib.suppress(OSError):
             os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
