@@ -98,10 +98,12 @@ def open_world(world: World) -> bool:
 
 
 def close_world(created: bool) -> None:
-    import torch.distributed as dist
+    """Leave the process group `open_world` created (none: nothing to do, torch not imported)."""
+    if created:
+        import torch.distributed as dist
 
-    if created and dist.is_initialized():
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def agree(world: World | None, fn: Callable[[], T]) -> T:

@@ -29,22 +29,25 @@ class Progress:
         assert mode in MODES, mode
         self.total, self.num_files, self.mode, self.label = total_bytes, num_files, mode, label
         self.done = self.files = 0
-        self.credited: dict[int, int] = {}
-        self.finished: set[int] = set()
+        self.credited: dict[int, int | None] = {}  # job -> bytes reported so far; None once finished
         self.start = time.monotonic()
-        self.bar = _make_bar(total_bytes, label, stream or sys.stderr) if mode == "bar" else None
+        self.bar = None
+        if mode == "bar":
+            from tqdm import tqdm  # only on a terminal
+
+            self.bar = tqdm(total=total_bytes, desc=label, unit="B", unit_scale=True, file=stream or sys.stderr,
+                            dynamic_ncols=True, smoothing=0.1, mininterval=0.2)
 
     def advance(self, job: int, nbytes: int) -> None:
-        if job in self.finished:
-            return
-        self.credited[job] = self.credited.get(job, 0) + nbytes
-        self._add(nbytes)
+        if self.credited.get(job, 0) is not None:
+            self.credited[job] = self.credited.get(job, 0) + nbytes
+            self._add(nbytes)
 
     def finish(self, job: int, job_bytes: int, path: str, file_bytes: int) -> None:
-        if job in self.finished:
+        if self.credited.get(job, 0) is None:
             return
-        self.finished.add(job)
-        self._add(job_bytes - self.credited.pop(job, 0))
+        self._add(job_bytes - self.credited.get(job, 0))
+        self.credited[job] = None
         self.files += 1
         if self.bar is not None:
             self.bar.set_postfix_str(f"{self.files}/{self.num_files} files", refresh=False)
@@ -69,13 +72,6 @@ class Progress:
         self.done += nbytes
         if self.bar is not None:
             self.bar.update(nbytes)
-
-
-def _make_bar(total_bytes: int, label: str, stream: TextIO):
-    from tqdm import tqdm  # only on a terminal
-
-    return tqdm(total=total_bytes, desc=label, unit="B", unit_scale=True, file=stream, dynamic_ncols=True,
-                smoothing=0.1, mininterval=0.2)
 
 
 def make_progress(total_bytes: int, num_files: int, *, quiet: bool, stream: TextIO | None = None,
