@@ -364,9 +364,8 @@ def _rebuild_tensor(storage: Storage, storage_offset: int, size: tuple, stride: 
     return ref
 
 
-class _StorageTag:
-    def __init__(self, dtype: DType) -> None:
-        self.dtype = dtype
+class _StorageTag(NamedTuple):  # what a storage class global resolves to
+    dtype: DType
 
 
 # The globals a pickle may have resolved. Each lookup returns a fresh object: BUILD can set
@@ -661,9 +660,8 @@ def _header(entry: _Entry, central: bool = False) -> bytes:
 
 def _end_records(count: int, cd_offset: int, cd_size: int) -> bytes:
     """zip64 end record and locator (always, as torch writes them), then the classic end record."""
-    zip64_end = cd_offset + cd_size
     out = struct.pack("<4sQHHIIQQQQ", b"PK\x06\x06", 44, 45, 45, 0, 0, count, count, cd_size, cd_offset)
-    out += struct.pack("<4sIQI", b"PK\x06\x07", 0, zip64_end, 1)
+    out += struct.pack("<4sIQI", b"PK\x06\x07", 0, cd_offset + cd_size, 1)  # where the zip64 end record is
     small = [min(count, 0xFFFF), min(cd_size, _ZIP64_MARK), min(cd_offset, _ZIP64_MARK)]
     return out + struct.pack("<4sHHHHIIH", b"PK\x05\x06", 0, 0, small[0], small[0], small[1], small[2], 0)
 
