@@ -237,6 +237,8 @@ def tensor_difference(x: torch.Tensor, y: torch.Tensor, *, atol: float = 0.0, ex
     """None when equal (see `compare_tensor_sets`), else what differs, e.g. "max abs diff 0.25"."""
     if exact_dtype and x.dtype != y.dtype:
         return f"dtype {_dtype(x.dtype)} vs {_dtype(y.dtype)}"
+    if x.shape != y.shape:
+        return f"shape {list(x.shape)} vs {list(y.shape)}"
     if x.dtype == y.dtype and torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)):
         return None  # bit for bit: NaN payloads and -0.0 too
     diff = max_abs_diff(x, y)
