@@ -26,6 +26,9 @@ __all__ = ["MIRRORS", "Extra", "FlatParam", "Mirror", "ModelLayout", "analyze_mo
 # extra_state dicts that hold state per flat parameter, laid out like `model` on every rank
 # (upstream metaseq's --store-ema): resharded with the model, not carried from rank 0.
 MIRRORS = ("ema", "ema_fp32_params")
+_BAD_MODEL = "{label}: {where}['{key}'] has shape {found} but shard_metadata says {shape}"
+_BAD_MIRROR = ("{label}: {where}['{key}'] is {found}, not {shape} like model's; {where} must hold the flat parameters "
+               "exactly as model does to be resharded")
 
 
 @dataclass(frozen=True)
@@ -100,16 +103,14 @@ def analyze_model(shards: Sequence[Mapping[str, Any]], labels: Sequence[str]) ->
     key_maps = [_key_map(model, label, "model") for model, label in zip(models, labels)]
     forms = [_is_unflattened(km, model, flat_params, label) for km, model, label in zip(key_maps, models, labels)]
     if any(forms) and len(shards) > 1:
-        raise ReshardError(
-            f"{labels[forms.index(True)]}: looks unflattened (model keys are original parameter names) but was "
-            f"given with {len(shards) - 1} other input(s); pass a consolidated file alone"
-        )
+        raise ReshardError(f"{labels[forms.index(True)]}: looks unflattened (model keys are original parameter names) "
+                           f"but was given with {len(shards) - 1} other input(s); pass a consolidated file alone")
     if forms[0]:
         padded = kept = tuple((fp.numel,) for fp in flat_params)
     else:
         padded, kept = _flat_lengths(models, metas, key_maps, flat_params, labels)
     layout = ModelLayout(tuple(labels), forms[0], flat_params, padded, kept, (), (), (), ties, metas[0])
-    sources, dtypes, extras = _located(layout, models, key_maps, ("model",), "shard_metadata says {}")
+    sources, dtypes, extras = _located(layout, models, key_maps, ("model",), _BAD_MODEL)
     return dataclasses.replace(layout, sources=sources, dtypes=dtypes, extras=extras, mirrors=_mirrors(shards, layout))
 
 
@@ -130,10 +131,9 @@ def _shard_metadata(shard: Mapping[str, Any], label: str) -> ShardMetadata:
         raise ReshardError(f"{label}: no 'model' dict; this is not a metaseq checkpoint")
     meta = shard.get("shard_metadata")
     if meta is None:
-        if any("flat_param_" in str(k) for k in shard["model"]):
-            hint = "it has flat_param_* keys but was saved without FSDP's local_metadata_dict()"
-        else:
-            hint = "its model keys are plain parameter names, so it looks consolidated already or not saved by FSDP"
+        hint = ("it has flat_param_* keys but was saved without FSDP's local_metadata_dict()"
+                if any("flat_param_" in str(k) for k in shard["model"]) else
+                "its model keys are plain parameter names, so it looks consolidated already or not saved by FSDP")
         raise ReshardError(f"{label}: no 'shard_metadata'; {hint}; only FSDP shards can be resharded")
     if not isinstance(meta, Mapping) or not isinstance(meta.get("param_metadata"), list):
         raise ReshardError(f"{label}: shard_metadata has no 'param_metadata' list; the file is not an FSDP shard")
@@ -146,10 +146,8 @@ def _parse_flat_params(meta: ShardMetadata, label: str) -> tuple[FlatParam, ...]
         for idx, inst in enumerate(meta["param_metadata"]):
             path = clean_key(inst.get("fsdp_path", ""))
             if inst.get("no_broadcast_optim_state", False):
-                raise ReshardError(
-                    f"{label}: FSDP instance '{path or '<root>'}' has no_broadcast_optim_state=True "
-                    "(e.g. MoE experts, different on every rank); resharding it is not supported"
-                )
+                raise ReshardError(f"{label}: FSDP instance '{path or '<root>'}' has no_broadcast_optim_state=True "
+                                   "(e.g. MoE experts, different on every rank); resharding it is not supported")
             for backing, pm in inst["params"].items():
                 flat_params.append(_parse_param(idx, path, backing, pm, label))
     except (KeyError, TypeError, AttributeError) as e:
@@ -159,33 +157,27 @@ def _parse_flat_params(meta: ShardMetadata, label: str) -> tuple[FlatParam, ...]
 
 def _parse_param(idx: int, path: str, backing: str, pm: Mapping[str, Any], label: str) -> FlatParam:
     names = tuple(join_key(path, clean_key(n)) for n in pm["names"])
-    shapes = tuple(Size(s) for s in pm["shapes"])
-    numels = tuple(int(n) for n in pm["numels"])
-    key = join_key(path, clean_key(backing))
-    if not len(names) == len(shapes) == len(numels):
-        raise ReshardError(
-            f"{label}: shard_metadata of '{key}' has {len(names)} names, {len(shapes)} shapes, {len(numels)} numels"
-        )
-    for name, shape, n in zip(names, shapes, numels):
+    fp = FlatParam(join_key(path, clean_key(backing)), idx, backing, names, tuple(Size(s) for s in pm["shapes"]),
+                   tuple(int(n) for n in pm["numels"]))
+    if not len(fp.names) == len(fp.shapes) == len(fp.numels):
+        raise ReshardError(f"{label}: shard_metadata of '{fp.key}' has {len(fp.names)} names, {len(fp.shapes)} "
+                           f"shapes, {len(fp.numels)} numels")
+    for name, shape, n in zip(fp.names, fp.shapes, fp.numels):
         if shape.numel() != n:
             raise ReshardError(f"{label}: shard_metadata says '{name}' has shape {list(shape)} but numel {n}")
-    return FlatParam(key, idx, backing, names, shapes, numels)
+    return fp
 
 
 def _check_same_params(ref: Sequence[FlatParam], other: Sequence[FlatParam], ref_label: str, label: str) -> None:
     if len(ref) != len(other):
-        raise ReshardError(
-            f"{label}: shard_metadata lists {len(other)} flat parameters but {ref_label} lists {len(ref)}; "
-            "the shards come from different models"
-        )
+        raise ReshardError(f"{label}: shard_metadata lists {len(other)} flat parameters but {ref_label} lists "
+                           f"{len(ref)}; the shards come from different models")
     for a, b in zip(ref, other):
-        for field in ("key", "instance", "backing_name", "names", "shapes", "numels"):
-            mine, theirs = getattr(b, field), getattr(a, field)
-            if mine != theirs:
-                raise ReshardError(
-                    f"{label}: shard_metadata disagrees with {ref_label} on the {field} of flat parameter "
-                    f"'{a.key}' ({_short(mine)} vs {_short(theirs)}); the shards come from different models or runs"
-                )
+        if a != b:
+            field = next(f.name for f in dataclasses.fields(FlatParam) if getattr(a, f.name) != getattr(b, f.name))
+            raise ReshardError(f"{label}: shard_metadata disagrees with {ref_label} on the {field} of flat parameter "
+                               f"'{a.key}' ({_short(getattr(b, field))} vs {_short(getattr(a, field))}); the shards "
+                               "come from different models or runs")
 
 
 def _short(value: Any, limit: int = 80) -> str:
@@ -200,21 +192,21 @@ def _parse_ties(meta: ShardMetadata, flat_params: Sequence[FlatParam], label: st
     for inst in meta["param_metadata"]:
         path = clean_key(inst.get("fsdp_path", ""))
         for src, dst in inst.get("shared_param_info") or []:
-            src_full = join_key(path, clean_key(src))
+            src_full, dst_full = join_key(path, clean_key(src)), join_key(path, clean_key(dst))
             if src_full not in names and clean_key(src) in names:  # already absolute
                 src_full, dst_full = clean_key(src), clean_key(dst)
-            else:
-                dst_full = join_key(path, clean_key(dst))
             if src_full not in names:
-                raise ReshardError(
-                    f"{label}: shared_param_info ties '{dst_full}' to '{src_full}', which no flat parameter holds"
-                )
+                raise ReshardError(f"{label}: shared_param_info ties '{dst_full}' to '{src_full}', which no flat "
+                                   "parameter holds")
             ties.append((src_full, dst_full))
     return tuple(ties)
 
 
 def _key_map(entries: Mapping[str, Any], label: str, where: str) -> dict[str, str]:
     """clean key -> actual key, tolerating `_fsdp_wrapped_module.` / `_fpw_module.` segments."""
+    if not isinstance(entries, Mapping):  # a mirror, on an input other than 0
+        raise ReshardError(f"{label}: {where} is a {type(entries).__name__}, unlike input 0's dict laid out like "
+                           "model; the shards come from different runs")
     key_map: dict[str, str] = {}
     for key in entries:
         clean = clean_key(str(key))
@@ -224,9 +216,8 @@ def _key_map(entries: Mapping[str, Any], label: str, where: str) -> dict[str, st
     return key_map
 
 
-def _is_unflattened(
-    key_map: Mapping[str, str], model: Mapping[str, Any], flat_params: Sequence[FlatParam], label: str
-) -> bool:
+def _is_unflattened(key_map: Mapping[str, str], model: Mapping[str, Any], flat_params: Sequence[FlatParam],
+                    label: str) -> bool:
     has_flat = all(fp.key in key_map for fp in flat_params)
     has_names = all(n in key_map for fp in flat_params for n in fp.names)
     if has_flat and has_names:
@@ -235,10 +226,8 @@ def _is_unflattened(
     if not has_flat and not has_names:
         missing = next(fp for fp in flat_params if fp.key not in key_map)
         name = next(n for n in missing.names if n not in key_map) if missing.names else "?"
-        raise ReshardError(
-            f"{label}: model has no '{missing.key}' (nor original parameter names such as '{name}'); "
-            "shard_metadata does not describe this model"
-        )
+        raise ReshardError(f"{label}: model has no '{missing.key}' (nor original parameter names such as '{name}'); "
+                           "shard_metadata does not describe this model")
     return has_names
 
 
@@ -246,13 +235,9 @@ def _dim(value: Any) -> int:
     return value.dim() if is_tensor(value) else -1
 
 
-def _flat_lengths(
-    models: Sequence[Mapping[str, Any]],
-    metas: Sequence[ShardMetadata],
-    key_maps: Sequence[Mapping[str, str]],
-    flat_params: Sequence[FlatParam],
-    labels: Sequence[str],
-) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]:
+def _flat_lengths(models: Sequence[Mapping[str, Any]], metas: Sequence[ShardMetadata],
+                  key_maps: Sequence[Mapping[str, str]], flat_params: Sequence[FlatParam],
+                  labels: Sequence[str]) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]:
     """Per flat parameter, its length with and without padding on every input, checked against shard_metadata."""
     padded, kept = [], []
     for fp in flat_params:
@@ -266,10 +251,8 @@ def _flat_lengths(
             if not isinstance(pad, int) or not 0 <= pad <= length:
                 raise ReshardError(f"{label}: padding {pad!r} of '{fp.key}' is not between 0 and its {length} elements")
             if lengths and length != lengths[0]:
-                raise ReshardError(
-                    f"{label}: flat parameter '{fp.key}' has {length} elements but {labels[0]} has {lengths[0]}; "
-                    "every FSDP rank holds the same padded length"
-                )
+                raise ReshardError(f"{label}: flat parameter '{fp.key}' has {length} elements but {labels[0]} has "
+                                   f"{lengths[0]}; every FSDP rank holds the same padded length")
             lengths.append(length)
             keeps.append(length - pad)
         _check_consumed(fp, keeps, labels)
@@ -284,24 +267,20 @@ def _check_consumed(fp: FlatParam, keeps: Sequence[int], labels: Sequence[str]) 
     total = sum(keeps)
     if total == fp.numel:
         return
-    if total < fp.numel:
-        detail = f"consumed {total} of {fp.numel} elements"
-    else:
-        detail = f"{total - fp.numel} elements left over after consuming all {fp.numel}"
+    detail = (f"consumed {total} of {fp.numel} elements" if total < fp.numel else
+              f"{total - fp.numel} elements left over after consuming all {fp.numel}")
     ranges = [shard_range(fp.numel, len(keeps), r) for r in range(len(keeps))]
     suspect = next((f"{label}: " for n, (a, b, _), label in zip(keeps, ranges, labels) if n != b - a), "")
-    raise ReshardError(
-        f"{suspect}flat parameter '{fp.key}': the shards hold {total} elements after removing padding but "
-        f"shard_metadata numels add up to {fp.numel} ({detail}); are the shards complete and from one checkpoint?"
-    )
+    raise ReshardError(f"{suspect}flat parameter '{fp.key}': the shards hold {total} elements after removing padding "
+                       f"but shard_metadata numels add up to {fp.numel} ({detail}); are the shards complete and from "
+                       "one checkpoint?")
 
 
-def _located(
-    layout: ModelLayout, dicts: Sequence[Mapping[str, Any]], maps: Sequence[Mapping[str, str]], root: tuple, want: str
-) -> tuple[tuple[tuple[Span, ...], ...], tuple[DType, ...], tuple[Extra, ...]]:
+def _located(layout: ModelLayout, dicts: Sequence[Mapping[str, Any]], maps: Sequence[Mapping[str, str]], root: tuple,
+             bad: str) -> tuple[tuple[tuple[Span, ...], ...], tuple[DType, ...], tuple[Extra, ...]]:
     """Sources and dtypes of the flat parameters in `dicts` (one per input, laid out like `model` at `root`),
-    each tensor checked against the layout's lengths (or shapes, unflattened), `want` saying what a wrong one
-    should be ("{}": the shape); and input 0's other entries."""
+    each tensor checked against the layout's lengths (or shapes, unflattened; `bad` formats the error); and
+    input 0's other entries."""
     where = root[0] + "".join(f"['{key}']" for key in root[1:])
     sources, dtypes = [], []
     for k, fp in enumerate(layout.flat_params):
@@ -313,7 +292,7 @@ def _located(
                 tensor = entries.get(key_map.get(key))
                 if not is_tensor(tensor) or tensor.shape != shape:
                     found = list(tensor.shape) if is_tensor(tensor) else type(tensor).__name__
-                    raise ReshardError(f"{label}: {where}['{key}'] has shape {found} but {want.format(list(shape))}")
+                    raise ReshardError(bad.format(label=label, where=where, key=key, found=found, shape=list(shape)))
                 spans.append(Span(r, (*root, key_map[key]), 0, length))
         sources.append(tuple(spans))
         # A flat parameter that holds no parameters has no elements: any tensor's dtype.
@@ -335,12 +314,6 @@ def _mirrors(shards: Sequence[Mapping[str, Any]], layout: ModelLayout) -> tuple[
         dicts = [s["extra_state"].get(name) if isinstance(s.get("extra_state"), Mapping) else None for s in shards]
         if dicts[0] is None:
             continue
-        where = f"extra_state['{name}']"
-        for entries, label in zip(dicts, layout.labels):
-            if not isinstance(entries, Mapping):
-                raise ReshardError(f"{label}: {where} is a {type(entries).__name__}, unlike input 0's dict "
-                                   "laid out like model; the shards come from different runs")
-        maps = [_key_map(entries, label, where) for entries, label in zip(dicts, layout.labels)]
-        want = f"model's is {{}}; {where} must hold the flat parameters exactly as model does to be resharded"
-        mirrors.append(Mirror(name, *_located(layout, dicts, maps, ("extra_state", name), want)))
+        maps = [_key_map(entries, label, f"extra_state['{name}']") for entries, label in zip(dicts, layout.labels)]
+        mirrors.append(Mirror(name, *_located(layout, dicts, maps, ("extra_state", name), _BAD_MIRROR)))
     return tuple(mirrors)

@@ -53,8 +53,7 @@ def global_shapes(parts: Sequence[ModelLayout]) -> dict[str, Size]:
             if len(set(local)) > 1:
                 raise ReshardError(f"{name}: its shape differs between model parts ({[list(s) for s in local]}); "
                                    "every part holds an equal slice")
-            rule = rule_for(name)
-            shape = list(local[0])
+            rule, shape = rule_for(name), list(local[0])
             if rule is not None:
                 if rule.dim >= len(shape):
                     raise ReshardError(f"{name}: shape {shape} has no dim {rule.dim} to cut, as its rule says; "
@@ -86,10 +85,7 @@ def _which(size: int, heads: int | None = None) -> str:
 def cut_model_parts(parts: Sequence[ModelLayout], optims: Sequence[OptimLayout | None], shapes: dict[str, Size],
                     num_parts: int, part: int, structures: Sequence[Any]) -> tuple[ModelLayout, OptimLayout | None]:
     """Output part `part` of `num_parts`: its layout (local shapes, spans into the inputs) and optimizer state.
-
-    `shapes` are the parts' `global_shapes`; `structures` the inputs' objects (spans index
-    them), to compare replicated tensors.
-    """
+    `shapes` are the parts' `global_shapes`; `structures` the inputs' objects, to compare replicated tensors."""
     cut, first = _Cutter(parts, shapes, num_parts, part, structures), parts[0]
     model = dataclasses.replace(
         first, labels=tuple(label for p in parts for label in p.labels),

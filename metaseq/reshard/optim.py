@@ -35,10 +35,6 @@ def _copy_scalar(value: Any) -> Any:
     return value.compact() if is_tensor(value) else copy.deepcopy(value)
 
 
-def _squeezed(value: TensorRef) -> TensorRef:
-    return value.compact(Size(d for d in value.shape if d != 1))
-
-
 @dataclass(frozen=True)
 class StateEntry:
     """One named state of one flat parameter: a per-element tensor or a scalar."""
@@ -57,9 +53,8 @@ class StateEntry:
 
     def flat_value(self, rank: int) -> Any:
         """Scalar for one rank of a flat output: rank 0's, or, per rank, that rank's (like fairscale)."""
-        if (self.gathered or self.per_rank) and rank < len(self.values):
-            return _copy_scalar(self.values[rank])
-        return _copy_scalar(self.values[0])
+        own = (self.gathered or self.per_rank) and rank < len(self.values)
+        return _copy_scalar(self.values[rank if own else 0])
 
     def consolidated_value(self) -> Any:
         """Scalar as `gather_full_optim_state_dict` writes it: `step` a number, 0-dim tensors per rank."""
@@ -67,24 +62,20 @@ class StateEntry:
         if self.name == "step" and _is_scalar_tensor(first):
             return first.value()
         if self.gathered or _is_scalar_tensor(first):
-            return [_squeezed(v) for v in self.values]
+            return [v.compact(Size(d for d in v.shape if d != 1)) for v in self.values]  # 0-dim
         return _copy_scalar(first)
 
 
 def check_per_rank_state(optim: OptimLayout, model: ModelLayout, num_output_shards: int, unflatten: bool) -> None:
-    """Refuse per-rank scalars (see StateEntry.per_rank) for outputs whose ranks hold other elements.
-
-    Their values belong to one input rank's elements; only the same number of flat outputs
-    (the same elements per rank) keeps them right.
-    """
+    """Refuse per-rank scalars (see StateEntry.per_rank) for outputs whose ranks hold other elements: only as
+    many flat outputs (the same elements per rank) keep them right."""
     for k, entries in optim.entries.items():
         for e in (e for e in entries if e.per_rank and (unflatten or len(e.values) != num_output_shards)):
             moved = "--unflatten-weights" if unflatten else f"--num-output-shards={num_output_shards}"
-            raise ReshardError(
-                f"{model.labels[0]}: {OPTIM}.state[{k}]['{e.name}'] differs between the {len(e.values)} input "
-                "ranks: per-rank state (e.g. the scale of --fp16-adam-stats moments) belongs to the elements each "
-                f"rank holds, which move with {moved}; keep {len(e.values)} flat shards or pass --skip-optimizer-state"
-            )
+            raise ReshardError(f"{model.labels[0]}: {OPTIM}.state[{k}]['{e.name}'] differs between the {len(e.values)} "
+                               "input ranks: per-rank state (e.g. the scale of --fp16-adam-stats moments) belongs to "
+                               f"the elements each rank holds, which move with {moved}; keep {len(e.values)} flat "
+                               "shards or pass --skip-optimizer-state")
 
 
 @dataclass(frozen=True)
@@ -101,10 +92,8 @@ def analyze_optimizer(shards: Sequence[Mapping[str, Any]], model: ModelLayout) -
         return None
     for osd, label in zip(osds, model.labels):
         if not isinstance(osd, Mapping) or not {"state", "param_groups"} <= set(osd):
-            raise ReshardError(
-                f"{label}: {OPTIM} has no 'state' and 'param_groups' (not a torch optimizer state_dict); "
-                "pass --skip-optimizer-state to drop it"
-            )
+            raise ReshardError(f"{label}: {OPTIM} has no 'state' and 'param_groups' (not a torch optimizer "
+                               "state_dict); pass --skip-optimizer-state to drop it")
     num_groups = len(osds[0]["param_groups"])
     if "param_id_map" in osds[0]:
         return OptimLayout(True, _consolidated_entries(osds, model), num_groups)
@@ -116,15 +105,13 @@ def _flat_entries(osds: Sequence[Mapping[str, Any]], model: ModelLayout) -> dict
     ids = list(osds[0]["state"])
     for osd, label in zip(osds[1:], labels[1:]):
         if set(osd["state"]) != set(ids):
-            raise ReshardError(
-                f"{label}: {OPTIM} covers flat parameters {sorted(osd['state'])} but {labels[0]} covers {sorted(ids)}"
-            )
+            raise ReshardError(f"{label}: {OPTIM} covers flat parameters {sorted(osd['state'])} but {labels[0]} "
+                               f"covers {sorted(ids)}")
     for k in ids:
         if not isinstance(k, int) or not 0 <= k < num_flat:
-            raise ReshardError(
-                f"{labels[0]}: {OPTIM}.state has id {k!r} but shard_metadata lists {num_flat} flat parameters "
-                f"(ids 0..{num_flat - 1}); the optimizer state does not match the flat parameters"
-            )
+            raise ReshardError(f"{labels[0]}: {OPTIM}.state has id {k!r} but shard_metadata lists {num_flat} flat "
+                               f"parameters (ids 0..{num_flat - 1}); the optimizer state does not match the flat "
+                               "parameters")
     return {k: tuple(_flat_entry(osds, model, k, name) for name in osds[0]["state"][k]) for k in sorted(ids)}
 
 
@@ -142,10 +129,9 @@ def _flat_entry(osds: Sequence[Mapping[str, Any]], model: ModelLayout, k: int, n
         expected = model.padded_lengths[k][r]
         if not is_tensor(value) or value.dim() != 1 or value.numel() != expected:
             found = list(value.shape) if is_tensor(value) else type(value).__name__
-            raise ReshardError(
-                f"{label}: {OPTIM}.state[{k}]['{name}'] has shape {found} but flat parameter '{fp.key}' "
-                f"has {expected} elements there; the optimizer state does not match the flat parameters"
-            )
+            raise ReshardError(f"{label}: {OPTIM}.state[{k}]['{name}'] has shape {found} but flat parameter "
+                               f"'{fp.key}' has {expected} elements there; the optimizer state does not match the "
+                               "flat parameters")
         segments.append(Span(r, (OPTIM, "state", k, name), 0, model.kept_lengths[k][r]))
     return StateEntry(name, segments=tuple(segments), dtype=values[0].dtype)
 
@@ -161,10 +147,8 @@ def _consolidated_entries(osds: Sequence[Mapping[str, Any]], model: ModelLayout)
     for g, k, _ in global_params(model):
         by_flat.setdefault(k, []).append(g)
         if g in state and id_map.get(g, k) not in (k, None):
-            raise ReshardError(
-                f"{label}: {OPTIM}.param_id_map maps parameter {g} to flat parameter {id_map[g]}, expected {k}; "
-                "the optimizer state comes from a different FSDP wrapping"
-            )
+            raise ReshardError(f"{label}: {OPTIM}.param_id_map maps parameter {g} to flat parameter {id_map[g]}, "
+                               f"expected {k}; the optimizer state comes from a different FSDP wrapping")
     total = sum(len(ids) for ids in by_flat.values())
     unknown = [g for g in state if not isinstance(g, int) or not 0 <= g < total]
     if unknown:
@@ -182,21 +166,17 @@ def _consolidated_entries(osds: Sequence[Mapping[str, Any]], model: ModelLayout)
 
 
 def _per_element_names(state: Mapping[int, Mapping[str, Any]], model: ModelLayout) -> frozenset[str]:
-    """State names with one value per parameter element (Adam's moments), not a scalar (step).
-
-    For a 0-dim parameter both are 0-dim tensors; such a name is per-element when it has
-    dims for some other parameter, or is not "step" and has the parameter's shape everywhere.
-    """
+    """State names with one value per parameter element (Adam's moments), not a scalar (step). For a 0-dim
+    parameter both are 0-dim tensors: such a name is per-element when it has dims for some other parameter,
+    or is not "step" and has the parameter's shape everywhere."""
     shapes = {g: model.flat_params[k].shapes[j] for g, k, j in global_params(model)}
-    names = {name for entry in state.values() for name in entry}
-
-    def per_element(name: str) -> bool:
-        values = [(g, entry[name]) for g, entry in state.items() if name in entry]
-        if any(is_tensor(v) and v.dim() > 0 for _, v in values):
-            return True
-        return name != "step" and all(is_tensor(v) and v.shape == shapes.get(g) for g, v in values)
-
-    return frozenset(n for n in names if per_element(n))
+    found: dict[str, list[tuple[int, Any]]] = {}
+    for g, entry in state.items():
+        for name, value in entry.items():
+            found.setdefault(name, []).append((g, value))
+    return frozenset(name for name, values in found.items()
+                     if any(is_tensor(v) and v.dim() > 0 for _, v in values)
+                     or name != "step" and all(is_tensor(v) and v.shape == shapes.get(g) for g, v in values))
 
 
 def _consolidated_entry(state: Mapping[int, Mapping[str, Any]], fp: FlatParam, ids: Sequence[int], name: str,
@@ -234,9 +214,8 @@ def _targets(optim: OptimLayout, pieces: Sequence[tuple[int, int, int, int, Size
             for i, k, start, end, shape in pieces for e in optim.entries.get(k, ()) if e.segments is not None]
 
 
-def assemble_flat_optimizer(
-    osd0: Mapping[str, Any], optim: OptimLayout, model: ModelLayout, tensors: Mapping[tuple, TensorRef], rank: int
-) -> dict[str, Any]:
+def assemble_flat_optimizer(osd0: Mapping[str, Any], optim: OptimLayout, model: ModelLayout,
+                            tensors: Mapping[tuple, TensorRef], rank: int) -> dict[str, Any]:
     """One rank's flat optimizer state_dict; other keys (param_groups, loss_scale) from rank 0."""
     state = {k: _state(entries, k, tensors, lambda e: e.flat_value(rank)) for k, entries in optim.entries.items()}
     out = _carried(osd0, state)
@@ -245,9 +224,8 @@ def assemble_flat_optimizer(
     return out
 
 
-def assemble_consolidated_optimizer(
-    osd0: Mapping[str, Any], optim: OptimLayout, model: ModelLayout, tensors: Mapping[tuple, TensorRef]
-) -> dict[str, Any]:
+def assemble_consolidated_optimizer(osd0: Mapping[str, Any], optim: OptimLayout, model: ModelLayout,
+                                    tensors: Mapping[tuple, TensorRef]) -> dict[str, Any]:
     """fairscale's consolidated layout, exactly as `gather_full_optim_state_dict` returns it."""
     id_map = {g: k if k in optim.entries else None for g, k, _ in global_params(model)}
     state = {g: _state(optim.entries[k], g, tensors, StateEntry.consolidated_value)
@@ -265,8 +243,6 @@ def _state(entries: Sequence[StateEntry], i: int, tensors: Mapping[tuple, Tensor
 
 
 def _carried(osd0: Mapping[str, Any], state: dict[int, dict[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {"state": state}
-    for key, value in osd0.items():
-        if key not in LAYOUT_KEYS:
-            out[key] = copy.deepcopy(value) if key == "param_groups" else value
-    return out
+    carried = {key: copy.deepcopy(value) if key == "param_groups" else value
+               for key, value in osd0.items() if key not in LAYOUT_KEYS}
+    return {"state": state, **carried}
