@@ -19,20 +19,9 @@ from typing import Any, BinaryIO, Iterator, Sequence
 from metaseq.errors import CheckpointLoadError, UserError
 from metaseq.torchzip import NeedsTorch, check_record, zip_records
 
-__all__ = [
-    "CheckpointLoadError",
-    "atomic_output",
-    "atomic_torch_save",
-    "check_checkpoint_crc",
-    "checkpoint_prefix",
-    "find_model_parts",
-    "find_shards",
-    "load_checkpoint",
-    "natural_sort_key",
-    "remove_stale_temp_files",
-    "shard_file_name",
-    "shard_glob",
-]
+__all__ = ["CheckpointLoadError", "atomic_output", "atomic_torch_save", "check_checkpoint_crc", "checkpoint_prefix",
+           "find_model_parts", "find_shards", "load_checkpoint", "natural_sort_key", "remove_stale_temp_files",
+           "shard_file_name", "shard_glob"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +41,7 @@ def shard_file_name(prefix: str, model_part: int, shard: int) -> str:
 
 def checkpoint_prefix(stem: str | os.PathLike) -> str:
     """`DIR/checkpoint_last.pt` (or one of its shard files' names) -> `DIR/checkpoint_last`."""
-    prefix = re.sub(r"\.pt$", "", str(stem))
-    return re.sub(r"-model_part-\d+-shard\d+$", "", prefix)
+    return re.sub(r"(?:-model_part-\d+-shard\d+)?(?:\.pt)?$", "", str(stem))
 
 
 def shard_glob(stem: str | os.PathLike, model_part: int | str = 0) -> str:
@@ -63,39 +51,32 @@ def shard_glob(stem: str | os.PathLike, model_part: int | str = 0) -> str:
 
 def natural_sort_key(path: str | os.PathLike) -> list:
     """Sort key that puts `shard10` after `shard2`."""
-    parts = re.split(r"(\d+)", str(path))
-    return [int(p) if p.isdigit() else p for p in parts]
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", str(path))]
 
 
 def find_shards(pattern: str, *, flag: str = "--input-glob-pattern") -> list[str]:
     """The files `pattern` matches, ordered by shard index; one file is returned as it is.
 
-    The index is the number after `shard` in metaseq's names, else the one number that
-    differs between the names (`out/s0.pt`, `out/s1.pt`, ...); indices must be exactly
-    0..N-1 and every file of one model part. Errors name the file and the fix (`flag`).
+    The index is the number after `shard` in metaseq's names, else the one number that differs
+    between the names (`out/s0.pt`, `out/s1.pt`, ...). Errors name the file and the fix (`flag`).
     """
     paths = _glob_files(pattern, flag)
-    if len(paths) == 1:
-        return paths
     parts = [_last_int(_PART_RE, p) for p in paths]
-    if None in parts and any(part is not None for part in parts):
+    if len(set(parts)) > 1 and None in parts:
         example = next(p for p, part in zip(paths, parts) if part is not None)
         raise UserError(f"{paths[parts.index(None)]}: not a model part's shard like {example}; "
                         f"narrow {flag} so that it matches only the shards")
     if len(set(parts)) > 1:
-        raise UserError(
-            f"inputs mix model parts {sorted(set(parts))} ({_few(paths)}); reshard one model part "
-            "at a time, e.g. --input-glob-pattern '...-model_part-0-shard*.pt', or every part with '{j}' "
-            "in both names: '...-model_part-{j}-shard*.pt' and '...-model_part-{j}-shard{i}.pt'"
-        )
+        raise UserError(f"inputs mix model parts {sorted(set(parts))} ({_few(paths)}); reshard one model part at a "
+                        "time, e.g. --input-glob-pattern '...-model_part-0-shard*.pt', or every part with '{j}' in "
+                        "both names: '...-model_part-{j}-shard*.pt' and '...-model_part-{j}-shard{i}.pt'")
     return _order_shards(paths, flag)
 
 
 def find_model_parts(pattern: str, *, flag: str = "--input-glob-pattern") -> list[list[str]]:
     """The files `pattern` matches grouped by model part (`model_part-J`), each part's shards ordered.
 
-    Parts must be exactly 0..P-1, each with the same number of shard files (one, for
-    consolidated files); a missing shard file is named.
+    Parts must be exactly 0..P-1, each with as many shard files (one, for consolidated files).
     """
     by_part: dict[int, list[str]] = {}
     for path in _glob_files(pattern, flag):
@@ -106,17 +87,13 @@ def find_model_parts(pattern: str, *, flag: str = "--input-glob-pattern") -> lis
     missing = sorted(set(range(max(by_part) + 1)) - set(by_part))
     if missing:
         raise UserError(f"model_part-{missing[0]} is missing: {flag} {pattern!r} matches parts {sorted(by_part)}")
-    counts = {j: len(paths) for j, paths in by_part.items()}
-    most = max(counts.values())
+    most = max(len(paths) for paths in by_part.values())
     for j, paths in sorted(by_part.items()):
         if len(paths) < most:
-            have = {_last_int(_SHARD_RE, p) for p in paths}
-            lack = min(set(range(most)) - have)
-            example = next(p for p in paths if _last_int(_SHARD_RE, p) is not None)
-            name = re.sub(r"shard\d+", f"shard{lack}", os.path.basename(example))
-            raise UserError(f"{os.path.join(os.path.dirname(example), name)} is missing: model_part-{j} has "
+            lack = min(set(range(most)) - {_last_int(_SHARD_RE, p) for p in paths})
+            raise UserError(f"{shard_file_name(checkpoint_prefix(paths[0]), j, lack)} is missing: model_part-{j} has "
                             f"{len(paths)} shard files, other parts {most}; every part has as many shards")
-    return [_order_shards(by_part[j], flag) if len(by_part[j]) > 1 else by_part[j] for j in sorted(by_part)]
+    return [_order_shards(by_part[j], flag) for j in sorted(by_part)]
 
 
 def _glob_files(pattern: str, flag: str) -> list[str]:
@@ -127,18 +104,16 @@ def _glob_files(pattern: str, flag: str) -> list[str]:
 
 
 def _order_shards(paths: Sequence[str], flag: str) -> list[str]:
-    """Shard files of one part in index order; indices exactly 0..N-1."""
+    """Shard files of one part in index order (indices exactly 0..N-1); one file as it is."""
     seen: dict[int, str] = {}
-    for path, index in zip(paths, _shard_indices(paths)):
+    for path, index in zip(paths, _shard_indices(paths) if len(paths) > 1 else [0]):
         if index in seen:
             raise UserError(f"shard index {index} appears twice: {seen[index]} and {path}")
         seen[index] = path
     missing = sorted(set(range(len(paths))) - set(seen))
     if missing:
-        raise UserError(
-            f"shard{missing[0]} is missing: found {len(paths)} shard files ({_few(paths)}) "
-            f"but shard indices must be exactly 0..{len(paths) - 1}; check {flag}"
-        )
+        raise UserError(f"shard{missing[0]} is missing: found {len(paths)} shard files ({_few(paths)}) "
+                        f"but shard indices must be exactly 0..{len(paths) - 1}; check {flag}")
     return [seen[i] for i in range(len(paths))]
 
 
@@ -147,12 +122,9 @@ def _shard_indices(paths: Sequence[str]) -> list[int]:
     indices = [_last_int(_SHARD_RE, p) for p in paths]
     if None not in indices:
         return indices
-    templates = [re.sub(r"\d+", "#", p) for p in paths]
-    for path, template in zip(paths, templates):
-        if template != templates[0]:
-            odd = path if _last_int(_SHARD_RE, path) is None else paths[0]
-            raise UserError(f"{odd}: no shard index ('shardK') in its name like the other inputs; "
-                            "cannot order the inputs")
+    if len({re.sub(r"\d+", "#", p) for p in paths}) > 1:
+        raise UserError(f"{paths[indices.index(None)]}: no shard index ('shardK') in its name like the other "
+                        "inputs; cannot order the inputs")
     numbers = zip(*([int(n) for n in re.findall(r"\d+", p)] for p in paths))
     varying = {column for column in numbers if len(set(column)) > 1}
     if len(varying) != 1:
@@ -172,11 +144,8 @@ def _few(paths: Sequence[str], limit: int = 3) -> str:
 
 
 def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
-    """`torch.save` to a temp file in the target folder, fsync, rename, fsync the folder.
-
-    Either the final path holds the complete file or it is left untouched. A write
-    error such as ENOSPC is raised as that OSError (torch reports it as an opaque RuntimeError).
-    """
+    """`torch.save` through `atomic_output`; a write error such as ENOSPC is raised as that OSError
+    (torch reports it as an opaque RuntimeError)."""
     import torch
 
     with atomic_output(path) as (f, _):
@@ -193,16 +162,14 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
 def atomic_output(path: str | os.PathLike) -> Iterator[tuple[BinaryIO, str]]:
     """Write `path` through a temp file: yields (the temp file open for reading and writing, its path).
 
-    The temp file is `.NAME.<pid>.<random>.tmp` (hidden, never matched by a `*.pt` glob);
-    ones left by killed writers are removed first. On success the file is flushed,
-    fsync-ed and renamed over `path`, then the folder is fsync-ed; on any error the temp
-    file is removed.
+    The temp file is `.NAME.<pid>.<random>.tmp` (hidden, never matched by a `*.pt` glob); ones
+    left by killed writers are removed first. On success it is fsync-ed and renamed over `path`,
+    then the folder is fsync-ed; on any error it is removed. `path` holds the whole file or is untouched.
     """
     path = Path(path)
-    folder = path.parent  # Path("name.pt").parent is Path(".")
-    folder.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(parents=True, exist_ok=True)  # Path("name.pt").parent is Path(".")
     remove_stale_temp_files(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp", dir=folder)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp", dir=path.parent)
     try:
         os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes it 0600; permissions as `open` would give
         with os.fdopen(fd, "w+b") as f:
@@ -214,7 +181,14 @@ def atomic_output(path: str | os.PathLike) -> Iterator[tuple[BinaryIO, str]]:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
-    _fsync_dir(folder)
+    try:
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+    except OSError:  # e.g. platforms without directory fds
+        return
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
 
 
 class _WriteErrorRecorder:
@@ -236,116 +210,83 @@ class _WriteErrorRecorder:
 
 
 def remove_stale_temp_files(path: str | os.PathLike) -> list[str]:
-    """Remove temp files of `path` left by writers that died (killed runs); returns them.
-
-    Only `.NAME.<pid>.<random>.tmp` whose pid no longer runs on this host (and
-    `.NAME.<random>.tmp` of older versions, which carry no pid) are removed, so a
-    live writer's temp file is never touched.
-    """
+    """Remove (and return) the temp files of `path` whose writer died: `.NAME.<pid>.<random>.tmp` whose pid
+    no longer runs on this host, and `.NAME.<random>.tmp` of older versions, which carry no pid."""
     path = Path(path)
-    folder = path.parent
     stale_re = re.compile(rf"\.{re.escape(path.name)}\.(?:(\d+)\.)?[a-z0-9_]{{8}}\.tmp")
     try:
-        names = os.listdir(folder)
+        names = os.listdir(path.parent)
     except OSError:
         return []
     removed = []
     for name in names:
         match = stale_re.fullmatch(name)
-        if match is None or (match.group(1) and _pid_alive(int(match.group(1)))):
-            continue
-        try:
-            os.unlink(folder / name)
-        except FileNotFoundError:
-            continue
-        removed.append(str(folder / name))
-        logger.warning("removed %s, a temporary file left by a killed run", folder / name)
+        if match and not (match.group(1) and _pid_alive(int(match.group(1)))):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path.parent / name)
+                removed.append(str(path.parent / name))
+                logger.warning("removed %s, a temporary file left by a killed run", path.parent / name)
     return removed
 
 
 def _pid_alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except OSError:  # e.g. EPERM: it exists, owned by someone else
-        return True
+        pass
     return True
 
 
-def _fsync_dir(folder: Path) -> None:
-    try:
-        dir_fd = os.open(folder, os.O_RDONLY)
-    except OSError:  # e.g. platforms without directory fds
-        return
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
 def load_checkpoint(path: str | os.PathLike, *, mmap: bool = False, trust: bool = False) -> dict:
-    """Load one checkpoint file with torch, safely.
+    """Load one checkpoint file with torch, unpickling only tensors, builtins, `torch.Size` and
+    `argparse.Namespace` unless `trust` (any pickle: only for files from a trusted source).
 
-    By default only tensors, builtins, `torch.Size` and `argparse.Namespace` are
-    unpickled (`weights_only=True`). `trust=True` allows arbitrary pickles; only for
-    files from a trusted source. `mmap=True` maps tensor storages from disk instead
-    of reading them (files in torch's legacy format are read). The pickle is checked
-    against its zip CRC32 first; tensor data is not (see `check_checkpoint_crc`).
+    `mmap=True` maps tensor storages from disk (files in torch's legacy format are read). The
+    pickle is checked against its zip CRC32 first; tensor data is not (see `check_checkpoint_crc`).
     """
     import torch
 
     path = str(path)
     mmap = mmap and check_checkpoint_crc(path, tensors=False) is not None
     try:
-        if trust:
-            obj = torch.load(path, map_location="cpu", mmap=mmap, weights_only=False)
-        else:
-            with torch.serialization.safe_globals(SAFE_GLOBALS):
-                obj = torch.load(path, map_location="cpu", mmap=mmap, weights_only=True)
+        with contextlib.nullcontext() if trust else torch.serialization.safe_globals(SAFE_GLOBALS):
+            obj = torch.load(path, map_location="cpu", mmap=mmap, weights_only=not trust)
     except FileNotFoundError:
         raise CheckpointLoadError(f"{path}: no such file") from None
     except Exception as e:  # unsafe type, truncated, corrupt, not a torch file
-        raise _load_error(path, e, trust) from None
+        raise _load_error(path, e) from None
     if not isinstance(obj, dict):
         raise CheckpointLoadError(f"{path}: expected a dict checkpoint, found {type(obj).__name__}")
     return obj
 
 
-def _load_error(path: str, e: BaseException, trust: bool) -> CheckpointLoadError:
+def _load_error(path: str, e: BaseException) -> CheckpointLoadError:
     text = str(e)
-    found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
-    if not trust and found:
-        return CheckpointLoadError(
-            f"{path}: refusing to unpickle a type outside the checkpoint format (it contains "
-            f"{found.group(1)}); if you trust this file, pass --trust-checkpoint"
-        )
+    found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)  # only weights_only=True refuses types
+    if found:
+        return CheckpointLoadError(f"{path}: refusing to unpickle a type outside the checkpoint format (it "
+                                   f"contains {found.group(1)}); if you trust this file, pass --trust-checkpoint")
     missing = re.search(r"No module named '([\w.]+)'", text)
     if isinstance(e, (ModuleNotFoundError, AttributeError)) and missing:
-        return CheckpointLoadError(
-            f"{path}: it holds objects of module {missing.group(1)}, which is not installed here "
-            f"({type(e).__name__}); install it, or use a tool that carries such objects without loading them"
-        )
-    if "WeightsUnpickler error:" in text:
-        text = "unpickling failed: " + text.split("WeightsUnpickler error:", 1)[1].strip()
-    text = re.sub(r"^\[enforce fail at [^\]]*\]\s*\.?\s*", "", text.strip())
-    first = text.splitlines()[0][:100] if text else ""
-    detail = f"{type(e).__name__}: {first}" if first else type(e).__name__
-    return CheckpointLoadError(
-        f"{path}: cannot read checkpoint ({detail}); the file is truncated, corrupt or not a torch checkpoint"
-    )
+        return CheckpointLoadError(f"{path}: it holds objects of module {missing.group(1)}, which is not installed "
+                                   f"here ({type(e).__name__}); install it, or use a tool that carries such objects "
+                                   "without loading them")
+    text = re.sub(r"^[\s\S]*?WeightsUnpickler error:", "unpickling failed:", text).strip()
+    text = re.sub(r"^\[enforce fail at [^\]]*\]\s*\.?\s*", "", text)
+    detail = type(e).__name__ + (f": {text.splitlines()[0][:100]}" if text else "")
+    return CheckpointLoadError(f"{path}: cannot read checkpoint ({detail}); the file is truncated, corrupt or not "
+                               "a torch checkpoint")
 
 
 def check_checkpoint_crc(path: str | os.PathLike, *, tensors: bool = True) -> int | None:
-    """Check a torch zip checkpoint's records against the CRC32s in its zip directory.
+    """Check a torch zip checkpoint's records against the CRC32s in its zip directory (torch.load never does).
 
-    torch.load never checks them, so a flipped bit would go unnoticed. With `tensors`
-    every record is read (the whole file); without, only the small ones (the pickle,
-    version, byteorder). Returns the number of bytes checked, or None for a file that
-    is not a zip (torch's legacy format or garbage: torch.load decides). Records written
-    without a CRC (0, as `torch.serialization.set_crc32_options(False)` leaves) are not checked.
+    With `tensors` every record is read (the whole file); without, only the small ones (the pickle,
+    version, byteorder). Returns the number of bytes checked, or None for a file that is not a zip
+    (torch's legacy format or garbage: torch.load decides). Records written without a CRC (0, as
+    `torch.serialization.set_crc32_options(False)` leaves) are not checked.
     """
     path = str(path)
     try:
