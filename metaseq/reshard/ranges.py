@@ -67,26 +67,23 @@ class Run(NamedTuple):
 def shard_range(numel: int, world_size: int, rank: int) -> tuple[int, int, int]:
     """(start, end, padded_len) of `rank`'s slice of an unpadded flat parameter.
 
-    Matches fairscale's `_get_shard` (torch.chunk): every rank holds
-    padded_len = ceil(numel / world_size) elements, rank r keeps
-    full[r * padded_len : (r + 1) * padded_len] and pads the rest with zeros, so
-    trailing ranks may be partly or entirely padding.
+    As fairscale's `_get_shard` (torch.chunk): every rank holds padded_len = ceil(numel / world_size)
+    elements, rank r keeps full[r * padded_len : (r + 1) * padded_len] padded with zeros, so trailing
+    ranks may be partly or entirely padding.
     """
     assert world_size >= 1 and 0 <= rank < world_size, (world_size, rank)
     padded_len = -(-numel // world_size)
     start = min(rank * padded_len, numel)
-    end = min(start + padded_len, numel)
-    return start, end, padded_len
+    return start, min(start + padded_len, numel), padded_len
 
 
 def plan_range(spans: Sequence[Span | Tile], start: int, end: int, offset: int = 0) -> tuple[Run, ...]:
     """Runs that copy elements [start, end) of the spans laid end to end, to output elements from `offset`."""
     runs = []
-    for item in SpanIndex(spans).slice(start, end):
-        at, pitch = offset, item.width if isinstance(item, Tile) else 0
-        for span in item.spans if isinstance(item, Tile) else (item,):
-            runs.append(Run(span.input, span.path, span.start, at, span.length, span.count, span.stride, pitch))
-            at += span.length if pitch else span.size
+    for item in sub_spans(spans, start, end):
+        pieces, pitch = (item.spans, item.width) if isinstance(item, Tile) else ((item,), 0)
+        for s, at in zip(pieces, itertools.accumulate((s.length for s in pieces), initial=offset)):
+            runs.append(Run(s.input, s.path, s.start, at, s.length, s.count, s.stride, pitch))
         offset += item.size
     return tuple(runs)
 
@@ -99,26 +96,18 @@ def sub_spans(spans: Sequence[Span | Tile], start: int, end: int) -> list[Span |
 def side_by_side(columns: Sequence[Sequence[tuple[int, list[Span]]]]) -> list[Span | Tile]:
     """Rows whose pieces lie in several places, row after row, each row its pieces in order.
 
-    `columns[k]` holds every row's k-th piece as `SpanIndex.slice_rows` groups them; rows
-    where each column repeats become one tile, a row that crosses an input's span
-    boundary in some column becomes plain spans.
+    `columns[k]` holds every row's k-th piece as `SpanIndex.slice_rows` groups them; rows where
+    each column repeats become one tile, a row that crosses an input's span boundary in some
+    column becomes plain spans.
     """
-    heads = [list(reversed(c)) for c in columns]  # each column's (rows, spans) groups, the next on top
+    indexes = [SpanIndex([s for _, spans in column for s in spans]) for column in columns]
+    num_rows = sum(rows for rows, _ in columns[0]) or 1  # (0 rows: nothing to slice)
+    widths = [index.starts[-1] // num_rows for index in indexes]
+    ends = sorted({end for column in columns for end in itertools.accumulate(rows for rows, _ in column)})
     out: list[Span | Tile] = []
-    while heads[0]:
-        rows = min(h[-1][0] for h in heads)
-        pieces: list[Span] = []
-        for h in heads:
-            n, spans = h.pop()
-            if n > rows:  # a repeating span: its first `rows` rows now, the rest stay on top
-                span = spans[0]
-                h.append((n - rows, [span._replace(start=span.start + rows * span.stride, count=n - rows)]))
-                spans = [span._replace(count=rows, stride=span.stride if rows > 1 else 0)]
-            pieces += spans
-        if rows > 1:
-            out.append(Tile(tuple(pieces)) if len(pieces) > 1 else pieces[0])
-        else:
-            out += pieces
+    for first, end in zip([0] + ends, ends):  # rows [first, end) lie in one group of every column
+        pieces = [p for index, w in zip(indexes, widths) for p in index.slice(first * w, end * w)]
+        out += [Tile(tuple(pieces))] if end - first > 1 and len(pieces) > 1 else pieces
     return out
 
 
@@ -133,14 +122,11 @@ class SpanIndex:
         """The spans (and tiles) of elements [start, end)."""
         assert start >= end or self.starts[-1] >= end, f"[{start}, {end}) beyond the {self.starts[-1]} elements"
         out: list[Span | Tile] = []
-        i = bisect.bisect_right(self.starts, start) - 1
-        while start < end:
-            first = self.starts[i]
-            stop = min(end, self.starts[i + 1])
-            if stop > start:
-                out += _cut(self.spans[i], start - first, stop - first)
-                start = stop
-            i += 1
+        first = bisect.bisect_right(self.starts, start) - 1
+        for i in range(first, bisect.bisect_left(self.starts, end, hi=len(self.spans))):
+            lo, hi = max(start, self.starts[i]), min(end, self.starts[i + 1])
+            if lo < hi:
+                out += _cut(self.spans[i], lo - self.starts[i], hi - self.starts[i])
         return out
 
     def slice_rows(self, start: int, length: int, count: int, stride: int) -> list[tuple[int, list[Span]]]:
@@ -165,36 +151,28 @@ class SpanIndex:
 
 def _cut(item: Span | Tile, a: int, b: int) -> list[Span | Tile]:
     """Elements [a, b) of one span or tile (of its output side)."""
-    if isinstance(item, Span) and item.count == 1:
-        return [Span(item.input, item.path, item.start + a, b - a)]
     spans, width = (item.spans, item.width) if isinstance(item, Tile) else ((item,), item.length)
     (r0, c0), (r1, c1) = divmod(a, width), divmod(b, width)
     if r0 == r1:
-        return _row(spans, r0, c0, c1)
-    out: list[Span | Tile] = []
-    if c0:
-        out += _row(spans, r0, c0, width)
-        r0 += 1
-    if r1 - r0 == 1:
-        out += _row(spans, r0, 0, width)
-    elif r1 > r0:
-        cut = tuple(s._replace(start=s.start + r0 * s.stride, count=r1 - r0) for s in spans)
-        out.append(Tile(cut) if len(cut) > 1 else cut[0])
-    if c1:
-        out += _row(spans, r1, 0, c1)
-    return out
+        return _rows(spans, r0, 1, c0, c1)
+    whole = r0 + 1 if c0 else r0  # the first whole row
+    out = _rows(spans, r0, 1, c0, width) if c0 else []
+    if r1 > whole:
+        out += _rows(spans, whole, r1 - whole, 0, width)
+    return out + (_rows(spans, r1, 1, 0, c1) if c1 else [])
 
 
-def _row(spans: Sequence[Span], row: int, a: int, b: int) -> list[Span | Tile]:
-    """Elements [a, b) of row `row` of spans side by side, as plain spans."""
-    out: list[Span | Tile] = []
-    pos = 0
+def _rows(spans: Sequence[Span], row: int, count: int, a: int, b: int) -> list[Span | Tile]:
+    """Elements [a, b) of `count` rows from row `row` of spans side by side: a repeating span or tile, or
+    for one row plain spans."""
+    pieces, pos = [], 0
     for s in spans:
         lo, hi = max(a, pos), min(b, pos + s.length)
         if lo < hi:
-            out.append(Span(s.input, s.path, s.start + row * s.stride + lo - pos, hi - lo))
+            stride = s.stride if count > 1 else 0
+            pieces.append(Span(s.input, s.path, s.start + row * s.stride + lo - pos, hi - lo, count, stride))
         pos += s.length
-    return out
+    return [Tile(tuple(pieces))] if count > 1 and len(pieces) > 1 else pieces
 
 
 def join_spans(spans: Sequence[Span | Tile]) -> tuple[Span | Tile, ...]:
