@@ -10,14 +10,5 @@ from metaseq.reshard.options import ReshardOptions
 from metaseq.reshard.plan import Plan, describe_plan, plan_reshard
 from metaseq.reshard.run import consolidate_shards, reshard, reshard_fsdp_checkpoints, reshard_shards
 
-__all__ = [
-    "Plan",
-    "ReshardError",
-    "ReshardOptions",
-    "consolidate_shards",
-    "describe_plan",
-    "plan_reshard",
-    "reshard",
-    "reshard_fsdp_checkpoints",
-    "reshard_shards",
-]
+__all__ = ["Plan", "ReshardError", "ReshardOptions", "consolidate_shards", "describe_plan", "plan_reshard", "reshard",
+           "reshard_fsdp_checkpoints", "reshard_shards"]

@@ -24,38 +24,18 @@ from typing import Any, Mapping, Sequence
 from metaseq.errors import ReshardError, UserError
 from metaseq.file_io import find_model_parts, find_shards, load_checkpoint
 from metaseq.reshard.layout import Extra, ModelLayout, analyze_model, output_metadata
-from metaseq.reshard.optim import (
-    OptimLayout,
-    analyze_optimizer,
-    assemble_consolidated_optimizer,
-    assemble_flat_optimizer,
-    check_per_rank_state,
-    consolidated_optimizer_targets,
-    flat_optimizer_targets,
-)
+from metaseq.reshard.optim import (OptimLayout, analyze_optimizer, assemble_consolidated_optimizer,
+                                   assemble_flat_optimizer, check_per_rank_state, consolidated_optimizer_targets,
+                                   flat_optimizer_targets)
 from metaseq.reshard.model_parallel import check_parts_fit, cut_model_parts, global_shapes, shift_inputs
 from metaseq.reshard.options import ReshardOptions
 from metaseq.reshard.ranges import OutTensor, Run, plan_range, shard_range
 from metaseq.reshard.schema import OPTIM, is_tensor
 from metaseq.torchzip import Copy, DType, NeedsTorch, Opaque, Size, TensorRef, from_torch, read_checkpoint
 
-__all__ = [
-    "InputFile",
-    "OutFile",
-    "Plan",
-    "Source",
-    "analyze_inputs",
-    "assemble_output",
-    "describe_plan",
-    "expand_model_parts",
-    "output_tensors",
-    "plan_model_parallel",
-    "plan_reshard",
-    "plan_structures",
-    "read_inputs",
-    "summarize_plan",
-    "tensor_ref",
-]
+__all__ = ["InputFile", "OutFile", "Plan", "Source", "analyze_inputs", "assemble_output", "describe_plan",
+           "expand_model_parts", "output_tensors", "plan_model_parallel", "plan_reshard", "plan_structures",
+           "read_inputs", "summarize_plan", "tensor_ref"]
 
 logger = logging.getLogger(__name__)
 
@@ -448,11 +428,8 @@ def _cfg_for_parts(cfg: Mapping[str, Any], options: ReshardOptions, part: int) -
 def _paddings(model: ModelLayout, options: ReshardOptions, rank: int) -> list[int]:
     if options.unflatten_weights:
         return [0] * len(model.flat_params)
-    paddings = []
-    for fp in model.flat_params:
-        start, end, padded_len = shard_range(fp.numel, options.num_output_shards, rank)
-        paddings.append(padded_len - (end - start))
-    return paddings
+    ranges = (shard_range(fp.numel, options.num_output_shards, rank) for fp in model.flat_params)
+    return [padded_len - (end - start) for start, end, padded_len in ranges]
 
 
 def summarize_plan(plan: Plan) -> str:

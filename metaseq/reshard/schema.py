@@ -9,16 +9,8 @@ from typing import Any, TypedDict
 
 from metaseq.torchzip import Size, TensorRef
 
-__all__ = [
-    "Checkpoint",
-    "FlatOptimizerState",
-    "InstanceMetadata",
-    "ParamMetadata",
-    "ShardMetadata",
-    "clean_key",
-    "is_tensor",
-    "join_key",
-]
+__all__ = ["Checkpoint", "FlatOptimizerState", "InstanceMetadata", "ParamMetadata", "ShardMetadata", "clean_key",
+           "is_tensor", "join_key"]
 
 WRAPPER_SEGMENTS = frozenset({"_fsdp_wrapped_module", "_fpw_module"})
 OPTIM = "last_optimizer_state"
