@@ -10,6 +10,7 @@ raise the same message.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from dataclasses import dataclass
@@ -18,15 +19,7 @@ from typing import Callable, Mapping, TypeVar
 
 from metaseq.errors import ReshardError, one_line_error
 
-__all__ = [
-    "World",
-    "agree",
-    "barrier",
-    "close_world",
-    "detect_world",
-    "first_slurm_host",
-    "open_world",
-]
+__all__ = ["World", "agree", "barrier", "close_world", "detect_world", "first_slurm_host", "open_world"]
 
 T = TypeVar("T")
 # Collectives wait for the slowest rank's writes; a crashed rank is noticed sooner (closed connection).
@@ -64,35 +57,26 @@ def first_slurm_host(nodelist: str) -> str:
     return re.sub(r"\[([^\],-]+)[^\]]*\]", r"\1", first)
 
 
-def _slurm_rendezvous(env: Mapping[str, str]) -> dict[str, str]:
-    """MASTER_ADDR (the step's first node, where rank 0 runs) and MASTER_PORT (from the job id)."""
-    found = {}
-    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
-    if "MASTER_ADDR" not in env and nodelist:
-        found["MASTER_ADDR"] = first_slurm_host(nodelist)
-    if "MASTER_PORT" not in env and env.get("SLURM_JOB_ID", "").isdigit():
-        found["MASTER_PORT"] = str(20000 + int(env["SLURM_JOB_ID"]) % 20000)
-    return found
-
-
 def open_world(world: World) -> bool:
     """Join the gloo process group (reusing one already initialized); True when this call created it."""
     import torch.distributed as dist  # torch only when a launcher started ranks
 
     if dist.is_initialized():
         if dist.get_world_size() != world.size:
-            raise ReshardError(
-                f"a process group of {dist.get_world_size()} ranks exists but the launcher says {world.size}"
-            )
+            raise ReshardError(f"a process group of {dist.get_world_size()} ranks exists but the launcher says "
+                               f"{world.size}")
         return False
-    if world.launcher == "slurm":
-        os.environ.update(_slurm_rendezvous(os.environ))
-    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(k)]
+    env = os.environ
+    if world.launcher == "slurm":  # rank 0 runs on the step's first node; a port from the job id
+        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+        if nodelist:
+            env.setdefault("MASTER_ADDR", first_slurm_host(nodelist))
+        if env.get("SLURM_JOB_ID", "").isdigit():
+            env.setdefault("MASTER_PORT", str(20000 + int(env["SLURM_JOB_ID"]) % 20000))
+    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not env.get(k)]
     if missing:
-        raise ReshardError(
-            f"{world.launcher} rank {world.rank} of {world.size}: {' and '.join(missing)} not set; export them "
-            "(rank 0's host name and a free port) or launch with torchrun"
-        )
+        raise ReshardError(f"{world.launcher} rank {world.rank} of {world.size}: {' and '.join(missing)} not set; "
+                           "export them (rank 0's host name and a free port) or launch with torchrun")
     dist.init_process_group("gloo", init_method="env://", rank=world.rank, world_size=world.size, timeout=TIMEOUT)
     return True
 
@@ -107,10 +91,7 @@ def close_world(created: bool) -> None:
 
 
 def agree(world: World | None, fn: Callable[[], T]) -> T:
-    """Run `fn` on every rank; if it failed anywhere, every rank raises the first failure's message.
-
-    Alone (no world, or one rank) it is just `fn()`.
-    """
+    """Run `fn` on every rank; if it failed anywhere, every rank raises the first failure's message."""
     if world is None or world.size == 1:
         return fn()
     import torch.distributed as dist
@@ -133,7 +114,5 @@ def barrier() -> None:
     """Wait for every rank; a rank that is gone is reported by gloo as an error, which is ignored here."""
     import torch.distributed as dist
 
-    try:
+    with contextlib.suppress(RuntimeError):  # e.g. "Connection closed by peer"
         dist.barrier()
-    except RuntimeError:  # e.g. "Connection closed by peer"
-        pass
