@@ -55,11 +55,8 @@ def natural_sort_key(path: str | os.PathLike) -> list:
 
 
 def find_shards(pattern: str, *, flag: str = "--input-glob-pattern") -> list[str]:
-    """The files `pattern` matches, ordered by shard index; one file is returned as it is.
-
-    The index is the number after `shard` in metaseq's names, else the one number that differs
-    between the names (`out/s0.pt`, `out/s1.pt`, ...). Errors name the file and the fix (`flag`).
-    """
+    """The files `pattern` matches, ordered by shard index: the number after `shard` in metaseq's names, else the
+    one number that differs between the names (`out/s0.pt`, `out/s1.pt`, ...); one file is returned as it is."""
     paths = _glob_files(pattern, flag)
     parts = [_last_int(_PART_RE, p) for p in paths]
     if len(set(parts)) > 1 and None in parts:
@@ -139,8 +136,7 @@ def _last_int(pattern: re.Pattern, path: str) -> int | None:
 
 
 def _few(paths: Sequence[str], limit: int = 3) -> str:
-    shown = ", ".join(paths[:limit])
-    return shown + (f", ... ({len(paths)} files)" if len(paths) > limit else "")
+    return ", ".join(paths[:limit]) + (f", ... ({len(paths)} files)" if len(paths) > limit else "")
 
 
 def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
@@ -162,9 +158,9 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
 def atomic_output(path: str | os.PathLike) -> Iterator[tuple[BinaryIO, str]]:
     """Write `path` through a temp file: yields (the temp file open for reading and writing, its path).
 
-    The temp file is `.NAME.<pid>.<random>.tmp` (hidden, never matched by a `*.pt` glob); ones
-    left by killed writers are removed first. On success it is fsync-ed and renamed over `path`,
-    then the folder is fsync-ed; on any error it is removed. `path` holds the whole file or is untouched.
+    The temp file is `.NAME.<pid>.<random>.tmp` (never matched by a `*.pt` glob); ones left by killed writers are
+    removed first. On success it is fsync-ed and renamed over `path`, then the folder is fsync-ed; on any error it
+    is removed: `path` holds the whole file or is untouched.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)  # Path("name.pt").parent is Path(".")
@@ -195,7 +191,7 @@ class _WriteErrorRecorder:
     """File wrapper for torch.save that remembers the OSError a write raised."""
 
     def __init__(self, f: BinaryIO) -> None:
-        self.f = f
+        self.f, self.flush = f, f.flush
         self.error: OSError | None = None
 
     def write(self, data: bytes) -> int:
@@ -204,9 +200,6 @@ class _WriteErrorRecorder:
         except OSError as e:
             self.error = e
             raise
-
-    def flush(self) -> None:
-        self.f.flush()
 
 
 def remove_stale_temp_files(path: str | os.PathLike) -> list[str]:
@@ -240,12 +233,9 @@ def _pid_alive(pid: int) -> bool:
 
 
 def load_checkpoint(path: str | os.PathLike, *, mmap: bool = False, trust: bool = False) -> dict:
-    """Load one checkpoint file with torch, unpickling only tensors, builtins, `torch.Size` and
-    `argparse.Namespace` unless `trust` (any pickle: only for files from a trusted source).
-
-    `mmap=True` maps tensor storages from disk (files in torch's legacy format are read). The
-    pickle is checked against its zip CRC32 first; tensor data is not (see `check_checkpoint_crc`).
-    """
+    """Load one checkpoint file with torch, unpickling only tensors, builtins, `torch.Size` and `argparse.Namespace`
+    unless `trust` (any pickle: only for trusted files). `mmap` maps tensor storages from disk (legacy-format files
+    are read). The pickle is checked against its zip CRC32 first, tensor data not (see `check_checkpoint_crc`)."""
     import torch
 
     path = str(path)
@@ -283,19 +273,16 @@ def _load_error(path: str, e: BaseException) -> CheckpointLoadError:
 def check_checkpoint_crc(path: str | os.PathLike, *, tensors: bool = True) -> int | None:
     """Check a torch zip checkpoint's records against the CRC32s in its zip directory (torch.load never does).
 
-    With `tensors` every record is read (the whole file); without, only the small ones (the pickle,
-    version, byteorder). Returns the number of bytes checked, or None for a file that is not a zip
-    (torch's legacy format or garbage: torch.load decides). Records written without a CRC (0, as
-    `torch.serialization.set_crc32_options(False)` leaves) are not checked.
+    With `tensors` every record is read (the whole file), else only the small ones (pickle, version, byteorder);
+    records without a CRC (0, as `torch.serialization.set_crc32_options(False)` leaves) are not. Returns the bytes
+    checked, or None for a file that is not a zip (torch's legacy format or garbage: torch.load decides).
     """
     path = str(path)
     try:
         records = zip_records(path)
     except NeedsTorch:
         return None
-    checked = 0
-    for name, record in records.items():
-        if record.crc and (tensors or not name.startswith("data/")):
-            check_record(path, name, record)
-            checked += record.size
-    return checked
+    checked = [(name, r) for name, r in records.items() if r.crc and (tensors or not name.startswith("data/"))]
+    for name, record in checked:
+        check_record(path, name, record)
+    return sum(record.size for _, record in checked)
