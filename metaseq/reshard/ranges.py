@@ -65,12 +65,9 @@ class Run(NamedTuple):
 
 
 def shard_range(numel: int, world_size: int, rank: int) -> tuple[int, int, int]:
-    """(start, end, padded_len) of `rank`'s slice of an unpadded flat parameter.
-
-    As fairscale's `_get_shard` (torch.chunk): every rank holds padded_len = ceil(numel / world_size)
-    elements, rank r keeps full[r * padded_len : (r + 1) * padded_len] padded with zeros, so trailing
-    ranks may be partly or entirely padding.
-    """
+    """(start, end, padded_len) of `rank`'s slice of an unpadded flat parameter, as fairscale's `_get_shard`
+    (torch.chunk): every rank holds padded_len = ceil(numel / world_size) elements, rank r keeps
+    full[r * padded_len : (r + 1) * padded_len] padded with zeros (trailing ranks: partly or all padding)."""
     assert world_size >= 1 and 0 <= rank < world_size, (world_size, rank)
     padded_len = -(-numel // world_size)
     start = min(rank * padded_len, numel)
@@ -94,12 +91,9 @@ def sub_spans(spans: Sequence[Span | Tile], start: int, end: int) -> list[Span |
 
 
 def side_by_side(columns: Sequence[Sequence[tuple[int, list[Span]]]]) -> list[Span | Tile]:
-    """Rows whose pieces lie in several places, row after row, each row its pieces in order.
-
-    `columns[k]` holds every row's k-th piece as `SpanIndex.slice_rows` groups them; rows where
-    each column repeats become one tile, a row that crosses an input's span boundary in some
-    column becomes plain spans.
-    """
+    """Rows whose pieces lie in several places, row after row, each row its pieces in order. `columns[k]` holds
+    every row's k-th piece as `SpanIndex.slice_rows` groups them; rows where each column repeats become one tile,
+    a row that crosses an input's span boundary in some column becomes plain spans."""
     indexes = [SpanIndex([s for _, spans in column for s in spans]) for column in columns]
     num_rows = sum(rows for rows, _ in columns[0]) or 1  # (0 rows: nothing to slice)
     widths = [index.starts[-1] // num_rows for index in indexes]
@@ -132,8 +126,7 @@ class SpanIndex:
     def slice_rows(self, start: int, length: int, count: int, stride: int) -> list[tuple[int, list[Span]]]:
         """`count` rows of `length` elements, `stride` apart from element `start`, as (rows, spans)
         groups: rows that lie in one span are one repeating span, a row across spans its pieces."""
-        out: list[tuple[int, list[Span]]] = []
-        row = 0
+        out, row = [], 0
         while row < count:
             first = start + row * stride
             i = bisect.bisect_right(self.starts, first) - 1
@@ -163,8 +156,7 @@ def _cut(item: Span | Tile, a: int, b: int) -> list[Span | Tile]:
 
 
 def _rows(spans: Sequence[Span], row: int, count: int, a: int, b: int) -> list[Span | Tile]:
-    """Elements [a, b) of `count` rows from row `row` of spans side by side: a repeating span or tile, or
-    for one row plain spans."""
+    """Elements [a, b) of `count` rows from `row` of spans side by side: plain spans if one row, else repeating."""
     pieces, pos = [], 0
     for s in spans:
         lo, hi = max(a, pos), min(b, pos + s.length)
