@@ -37,9 +37,8 @@ class World:
 def detect_world(env: Mapping[str, str] | None = None) -> World | None:
     """The launcher's world from its environment variables; None when this process runs alone.
 
-    torchrun: RANK, WORLD_SIZE, LOCAL_WORLD_SIZE (and MASTER_ADDR/MASTER_PORT).
-    Slurm: SLURM_PROCID and SLURM_NTASKS inside an srun step (SLURM_STEP_ID set); a
-    batch script itself is not an srun step, so it runs alone.
+    torchrun: RANK, WORLD_SIZE, LOCAL_WORLD_SIZE (and MASTER_ADDR/MASTER_PORT). Slurm: SLURM_PROCID and
+    SLURM_NTASKS inside an srun step (SLURM_STEP_ID set); a batch script itself is not an srun step: it runs alone.
     """
     env = os.environ if env is None else env
     if "RANK" in env and "WORLD_SIZE" in env:
