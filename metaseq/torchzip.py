@@ -505,20 +505,6 @@ def _thread_buffer(name: str, size: int) -> memoryview:
     return memoryview(buffer)[:size]
 
 
-def _windows(copies: Sequence[Copy], itemsize: int) -> Iterator[tuple[int, int, list[Copy]]]:
-    """(lo, hi, copies): the copies in storage order, grouped into byte ranges [lo, hi) of at most
-    WINDOW_BYTES to gather in memory; a plain copy larger than that comes alone."""
-    pieces = []
-    for copy in copies:
-        pitch = copy.dst_stride or copy.numel * itemsize
-        # repeating copies: as many rows at a time as fit a window, in the output and in the input
-        per = max(1, WINDOW_BYTES // max(pitch, copy.src_stride)) if copy.count > 1 else 1
-        pieces += [copy._replace(src_offset=copy.src_offset + first * copy.src_stride,
-                                 dst_offset=copy.dst_offset + first * pitch, count=min(per, copy.count - first))
-                   for first in range(0, copy.count, per)]
-    return _runs(pieces, lambda c: (c.dst_offset, c.dst_offset + c.extent(itemsize)))
-
-
 def _runs(copies: list[Copy], span: Callable[[Copy], tuple[int, int]]) -> Iterator[tuple[int, int, list[Copy]]]:
     """(lo, hi, copies): `copies` in order of where their `span` (start, end) starts, grouped into
     ranges [lo, hi) of at most WINDOW_BYTES; a copy longer than that comes alone."""
@@ -726,14 +712,20 @@ def write_checkpoint(fd: int, obj: Any, *, archive: str = "archive", crc32: bool
 
 
 def _gathered(fd: int, entry: _Entry, report: Report | None) -> list[Copy]:
-    """Write what is gathered in memory of a storage, a window at a time (rows of a model-parallel cut, many
-    small copies); the copies left to copy one by one (file to file where they can)."""
-    storage = entry.storage
+    """Write what is gathered in memory of a storage (rows of a model-parallel cut, many small copies), in
+    windows of at most WINDOW_BYTES; the copies left to copy one by one (file to file where they can)."""
+    storage, itemsize = entry.storage, entry.storage.dtype.itemsize
     rows = any(c.count > 1 for c in storage.copies)  # a model-parallel cut on the second dim
     if not rows and (len(storage.copies) <= MANY_COPIES or storage.nbytes > WINDOW_BYTES):
         return storage.copies  # also a big storage of many plain copies (256 -> 1): input by input
-    plain = []
-    for lo, hi, group in _windows(storage.copies, storage.dtype.itemsize):
+    pieces, plain = [], []
+    for copy in storage.copies:  # repeating copies: as many rows at a time as fit a window, in output and input
+        pitch = copy.dst_stride or copy.numel * itemsize
+        per = max(1, WINDOW_BYTES // max(pitch, copy.src_stride)) if copy.count > 1 else 1
+        pieces += [copy._replace(src_offset=copy.src_offset + first * copy.src_stride,
+                                 dst_offset=copy.dst_offset + first * pitch, count=min(per, copy.count - first))
+                   for first in range(0, copy.count, per)]
+    for lo, hi, group in _runs(pieces, lambda c: (c.dst_offset, c.dst_offset + c.extent(itemsize))):
         if len(group) == 1 and group[0].count == 1:  # one big copy: file to file
             plain += group
         else:
