@@ -170,7 +170,8 @@ def test_rows_and_many_copies_are_gathered_window_by_window(tmp_path: Path, monk
     columns.storage.copies.append(Copy(path, w_at + 12, 0, 4, f32, count=37, src_stride=40))
     joined = TensorRef.empty([37, 16], f32)  # [W | V], row by row
     for r in range(37):
-        joined.storage.copies += [Copy(path, w_at + 40 * r, 64 * r, 10, f32), Copy(path, v_at + 24 * r, 64 * r + 40, 6, f32)]
+        joined.storage.copies += [Copy(path, w_at + 40 * r, 64 * r, 10, f32),
+                                  Copy(path, v_at + 24 * r, 64 * r + 40, 6, f32)]
     side = TensorRef.empty([37, 16], f32)  # [W | V] again: two repeating copies, their rows side by side
     side.storage.copies += [Copy(path, v_at, 40, 6, f32, count=37, src_stride=24, dst_stride=64),
                             Copy(path, w_at, 0, 10, f32, count=37, src_stride=40, dst_stride=64)]
