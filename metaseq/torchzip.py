@@ -24,7 +24,6 @@ import codecs
 import collections
 import contextlib
 import copyreg
-import dataclasses
 import errno
 import functools
 import io
@@ -35,7 +34,7 @@ import struct
 import threading
 import zipfile
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, ClassVar, Iterator, NamedTuple, Sequence
 
 from metaseq.errors import CheckpointLoadError
@@ -121,11 +120,6 @@ class Copy(NamedTuple):
     src_stride: int = 0
     dst_stride: int = 0
 
-    def extent(self, itemsize: int) -> int:
-        """Bytes of the storage from the copy's first to its last byte, into elements of `itemsize`."""
-        row = self.numel * itemsize
-        return (self.count - 1) * (self.dst_stride or row) + row
-
 
 @dataclass(eq=False)
 class Storage:
@@ -143,13 +137,8 @@ class Storage:
 
 @dataclass(eq=False)
 class TensorRef:
-    """A tensor as torch's pickle describes it: a view (offset, shape, stride) of a storage.
-
-    All that code handling checkpoints may rely on: `shape`, `dtype`, `numel()`, `dim()`,
-    `is_contiguous()`; `storage.locate(storage_offset + e)` tells where element e lies;
-    `compact()` is a copy with its own storage (torch's `clone`); `value()`, from bytes the
-    reader already has. It does not imitate torch.Tensor beyond that.
-    """
+    """A tensor as torch's pickle describes it: a view (offset, shape, stride) of a storage, whose element e lies
+    at `storage.locate(storage_offset + e)`. It has what checkpoint code needs of torch.Tensor, nothing more."""
 
     storage: Storage
     storage_offset: int
@@ -177,8 +166,7 @@ class TensorRef:
             raise ValueError("compact() of a non-contiguous tensor")
         out = TensorRef.empty(self.shape if shape is None else shape, self.dtype)
         if self.numel():
-            source, offset = self.storage.locate(self.storage_offset)
-            out.storage.copies.append(Copy(source, offset, 0, self.numel(), self.dtype))
+            out.storage.copies.append(Copy(*self.storage.locate(self.storage_offset), 0, self.numel(), self.dtype))
         return out
 
     def value(self) -> int | float | bool:
@@ -250,9 +238,6 @@ class Record(NamedTuple):
     crc: int  # as the zip directory says; 0 when the writer stored none
 
 
-_LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, ..., file name length, extra field length
-
-
 def read_at(source: str | bytes | memoryview, offset: int, size: int, *, reuse: bool = False) -> bytearray | memoryview:
     """`size` bytes at `offset` of a file (by path) or of bytes in memory; a file's in a new buffer, or with
     `reuse` in this thread's read buffer (see `_thread_buffer`), valid until the thread's next such read."""
@@ -275,7 +260,6 @@ def zip_records(source: str | bytes) -> dict[str, Record]:
     Raises NeedsTorch for a file that is not a zip (torch's legacy format, or not a
     checkpoint at all) and CheckpointLoadError for a damaged one.
     """
-    name = source if isinstance(source, str) else "<in memory>"
     try:
         with open(source, "rb") if isinstance(source, str) else io.BytesIO(source) as f:
             if f.read(4) != b"PK\x03\x04":
@@ -290,31 +274,31 @@ def zip_records(source: str | bytes) -> dict[str, Record]:
                 if not info.filename.startswith(prefix) or info.compress_type != zipfile.ZIP_STORED:
                     raise NeedsTorch(f"record {info.filename} is compressed or outside {prefix}")
                 f.seek(info.header_offset)
-                signature, name_len, extra_len = _LOCAL_HEADER.unpack(f.read(_LOCAL_HEADER.size))
+                signature, name_len, extra_len = struct.unpack("<4s22xHH", f.read(30))  # ..., name and extra lengths
                 if signature != b"PK\x03\x04":
                     raise zipfile.BadZipFile(f"bad local header of {info.filename}")
-                start = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
+                start = info.header_offset + 30 + name_len + extra_len
                 if start + info.file_size > file_size:
                     raise zipfile.BadZipFile(f"record {info.filename} runs past the end of the file")
                 records[info.filename[len(prefix):]] = Record(start, info.file_size, info.CRC)
             return records
     except FileNotFoundError:
-        raise CheckpointLoadError(f"{name}: no such file") from None
+        raise CheckpointLoadError(f"{source}: no such file") from None
     except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError, NotImplementedError,
             struct.error) as e:
-        raise corrupt(name, e) from None
+        text = str(e).strip().splitlines()[0][:160] if str(e).strip() else ""
+        if text == "File is not a zip file":
+            text = "no zip directory at its end, so it is truncated"
+        elif isinstance(e, UnicodeDecodeError):
+            text = "a garbled record name in its zip directory"
+        else:
+            text = f"{type(e).__name__}: {text}" if text else type(e).__name__
+        raise _corrupt(source, text) from None
 
 
-def corrupt(path: str, error: BaseException) -> CheckpointLoadError:
-    """The one-line error for a damaged zip checkpoint."""
-    text = str(error).strip().splitlines()[0][:160] if str(error).strip() else ""
-    if text == "File is not a zip file":
-        detail = "no zip directory at its end, so it is truncated"
-    elif isinstance(error, UnicodeDecodeError):
-        detail = "a garbled record name in its zip directory"
-    else:
-        detail = f"{type(error).__name__}: {text}" if text else type(error).__name__
-    return CheckpointLoadError(f"{path}: corrupt checkpoint ({detail}); restore the file from a good copy")
+def _corrupt(source: str | bytes, detail: str) -> CheckpointLoadError:
+    where = source if isinstance(source, str) else "<in memory>"
+    return CheckpointLoadError(f"{where}: corrupt checkpoint ({detail}); restore the file from a good copy")
 
 
 def check_record(source: str | bytes, name: str, record: Record, *, keep: bool = False) -> bytes:
@@ -325,10 +309,7 @@ def check_record(source: str | bytes, name: str, record: Record, *, keep: bool =
         chunk = bytes(read_at(source, offset + start, min(CHUNK_BYTES, size - start)))
         found, data = zlib.crc32(chunk, found), data + chunk if keep else b""
     if crc and found != crc:
-        where = source if isinstance(source, str) else "<in memory>"
-        raise CheckpointLoadError(
-            f"{where}: corrupt checkpoint (record {name} fails its CRC32 check); restore the file from a good copy"
-        )
+        raise _corrupt(source, f"record {name} fails its CRC32 check")
     return data
 
 
@@ -359,7 +340,7 @@ _GLOBALS: dict[tuple[str, str], Callable[[], Any]] = {
     ("__builtin__", "bytes"): lambda: lambda: b"",  # an empty bytes object
 }
 _GLOBALS.update({("torch", d.storage): (lambda d=d: _StorageTag(d)) for d in _DTYPES})
-_GLOBALS.update({("torch", d.name): (lambda d=d: dataclasses.replace(d)) for d in _DTYPES})
+_GLOBALS.update({("torch", d.name): (lambda d=d: replace(d)) for d in _DTYPES})
 
 
 class _Unpickler(pickle.Unpickler):
@@ -370,28 +351,22 @@ class _Unpickler(pickle.Unpickler):
         self.opaque: dict[tuple[str, str], type[Opaque]] = {}
 
     def find_class(self, module: str, name: str) -> Any:
-        make = _GLOBALS.get((module, name))
-        if make is not None:
-            return make()
-        if (module, name) not in self.opaque:
-            self.opaque[(module, name)] = opaque_class(module, name)
-        return self.opaque[(module, name)]
+        if (module, name) in _GLOBALS:
+            return _GLOBALS[module, name]()
+        return self.opaque.setdefault((module, name), opaque_class(module, name))
 
     def persistent_load(self, pid: Any) -> Storage:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], _StorageTag)):
             raise pickle.UnpicklingError(f"persistent id {pid!r:.60}")
         _, tag, key, _location, numel = pid  # location (e.g. cuda:0) dropped: cpu, as map_location="cpu" does
         if key not in self.storages:
-            offset, size, _ = self.records.get(f"data/{key}", (-1, -1, 0))
+            record = self.records.get(f"data/{key}", Record(-1, -1, 0))
+            source, offset, size = self.source, record.offset, record.size
             if size != numel * tag.dtype.itemsize:
                 raise pickle.UnpicklingError(f"storage {key}: record of {size} bytes for {numel} elements")
-            source = self.source
             if 0 < size <= SMALL_BYTES and isinstance(source, str):  # small values (`step`): value() needs no file
-                source, offset = check_record(source, f"data/{key}", self.records[f"data/{key}"], keep=True), 0
-            storage = Storage(tag.dtype, size)
-            if size:
-                storage.copies.append(Copy(source, offset, 0, numel, tag.dtype))
-            self.storages[key] = storage
+                source, offset = check_record(source, f"data/{key}", record, keep=True), 0
+            self.storages[key] = Storage(tag.dtype, size, [Copy(source, offset, 0, numel, tag.dtype)] if size else [])
         return self.storages[key]
 
 
@@ -449,19 +424,16 @@ def _gather(copies: Sequence[Copy], lo: int, out: memoryview, dtype: DType) -> N
     target = np.frombuffer(out, np.uint8)
     if sum(c.numel * c.count for c in copies) * dtype.itemsize < len(out):  # copies do not cover it all
         target.fill(0)
-    by_source: dict[Any, list[Copy]] = {}
-    for copy in copies:
-        by_source.setdefault(id(copy.source), []).append(copy)
-    for group in by_source.values():
-        for start, end, run in _runs(group, _source_span):
-            data = np.frombuffer(read_at(run[0].source, start, end - start, reuse=True), np.uint8)
-            for copy in run:
-                src_row, dst_row = copy.numel * copy.src_dtype.itemsize, copy.numel * dtype.itemsize
-                rows = _strided(data, copy.src_offset - start, copy.count, src_row, copy.src_stride)
-                if copy.src_dtype != dtype:
-                    rows = np.frombuffer(_cast(np.ascontiguousarray(rows), copy.src_dtype, dtype), np.uint8)
-                _strided(target, copy.dst_offset - lo, copy.count, dst_row, copy.dst_stride)[...] = (
-                    rows.reshape(copy.count, dst_row))
+    for start, end, run in _runs(copies, lambda c: (id(c.source), c.src_offset, c.count,
+                                                    c.numel * c.src_dtype.itemsize, c.src_stride)):
+        data = np.frombuffer(read_at(run[0].source, start, end - start, reuse=True), np.uint8)
+        for copy in run:
+            src_row, dst_row = copy.numel * copy.src_dtype.itemsize, copy.numel * dtype.itemsize
+            rows = _strided(data, copy.src_offset - start, copy.count, src_row, copy.src_stride)
+            if copy.src_dtype != dtype:
+                rows = np.frombuffer(_cast(np.ascontiguousarray(rows), copy.src_dtype, dtype), np.uint8)
+            _strided(target, copy.dst_offset - lo, copy.count, dst_row, copy.dst_stride)[...] = (
+                rows.reshape(copy.count, dst_row))
 
 
 def _strided(data: Any, offset: int, count: int, row: int, stride: int) -> Any:
@@ -486,26 +458,23 @@ def _thread_buffer(name: str, size: int) -> memoryview:
     return memoryview(buffer)[:size]
 
 
-def _runs(copies: list[Copy], span: Callable[[Copy], tuple[int, int]]) -> Iterator[tuple[int, int, list[Copy]]]:
-    """(lo, hi, copies): `copies` in order of where their `span` (start, end) starts, grouped into
-    ranges [lo, hi) of at most WINDOW_BYTES; a copy longer than that comes alone."""
+def _runs(copies: Sequence[Copy], where: Callable[[Copy], tuple[int, ...]]) -> Iterator[tuple[int, int, list[Copy]]]:
+    """(lo, hi, copies): `copies` by where they lie, `where(copy)`: (group, offset, count, row, stride), `count`
+    rows of `row` bytes `stride` apart (0: end to end); grouped into ranges [lo, hi) of one group and at most
+    WINDOW_BYTES (a copy longer than that comes alone), in order of group and offset."""
     run: list[Copy] = []
-    lo = hi = 0
-    for copy in sorted(copies, key=lambda c: span(c)[0]):
-        start, end = span(copy)
-        if run and end - lo > WINDOW_BYTES:
+    for copy in sorted(copies, key=lambda c: where(c)[:2]):
+        group, start, count, row, stride = where(copy)
+        end = start + (count - 1) * (stride or row) + row
+        if run and (group != run_group or end - lo > WINDOW_BYTES):
             yield lo, hi, run
             run = []
         if not run:
-            lo = hi = start
+            run_group, lo, hi = group, start, start
         run.append(copy)
         hi = max(hi, end)
     if run:
         yield lo, hi, run
-
-
-def _source_span(copy: Copy) -> tuple[int, int]:
-    return copy.src_offset, copy.src_offset + (copy.count - 1) * copy.src_stride + copy.numel * copy.src_dtype.itemsize
 
 
 def _cast(data: bytes | memoryview, src: DType, dst: DType) -> bytes:
@@ -709,7 +678,7 @@ def _gathered(fd: int, entry: _Entry, report: Report | None) -> list[Copy]:
         pieces += [copy._replace(src_offset=copy.src_offset + first * copy.src_stride,
                                  dst_offset=copy.dst_offset + first * pitch, count=min(per, copy.count - first))
                    for first in range(0, copy.count, per)]
-    for lo, hi, group in _runs(pieces, lambda c: (c.dst_offset, c.dst_offset + c.extent(itemsize))):
+    for lo, hi, group in _runs(pieces, lambda c: (0, c.dst_offset, c.count, c.numel * itemsize, c.dst_stride)):
         if len(group) == 1 and group[0].count == 1:  # one big copy: file to file
             plain += group
         else:
@@ -740,10 +709,8 @@ def pwrite_all(fd: int, data: bytes | memoryview, offset: int, report: Report | 
     pos = 0
     while pos < len(view):
         n = os.pwrite(fd, view[pos : pos + CHUNK_BYTES], offset + pos)
-        _start_writeback(fd, offset + pos, n)
+        _written(fd, offset + pos, n, report)
         pos += n
-        if report is not None:
-            report(n)
 
 
 _NO_COPY_FILE_RANGE = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EPERM, errno.EBADF}
@@ -766,15 +733,15 @@ def copy_file_range_all(src: int, dst: int, nbytes: int, src_offset: int, dst_of
             n = os.pwrite(dst, os.pread(src, step, src_offset), dst_offset)  # a short write: the rest next round
         if n == 0:
             raise OSError(errno.EIO, f"input ended {nbytes} bytes early (file changed while resharding?)")
-        _start_writeback(dst, dst_offset, n)
-        if report is not None:
-            report(n)
+        _written(dst, dst_offset, n, report)
         nbytes, src_offset, dst_offset = nbytes - n, src_offset + n, dst_offset + n
 
 
-def _start_writeback(fd: int, offset: int, length: int) -> None:
-    """Start writing these bytes to disk now, so the final fsync finds little left: on Linux, POSIX_FADV_DONTNEED
-    on dirty pages starts their writeback without waiting (and drops only pages already clean)."""
+def _written(fd: int, offset: int, length: int, report: Report | None) -> None:
+    """Report bytes just written and start their writeback now, so the final fsync finds little left (on Linux,
+    POSIX_FADV_DONTNEED on dirty pages starts it without waiting, and drops only pages already clean)."""
+    if report is not None:
+        report(length)
     if length >= CHUNK_BYTES // 4 and hasattr(os, "posix_fadvise"):
         with contextlib.suppress(OSError):
             os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
