@@ -18,10 +18,11 @@ from metaseq.errors import ReshardError
 from metaseq.reshard.layout import global_params
 from metaseq.reshard.optim import LAYOUT_KEYS
 from metaseq.reshard.options import ReshardOptions
-from metaseq.reshard.plan import InputFile, Source, analyze_inputs, output_tensors, read_inputs, tensor_ref
-from metaseq.reshard.ranges import OutTensor, Run
+from metaseq.reshard.plan import (InputFile, Source, analyze_inputs, output_tensors, read_inputs, tensor_ref,
+                                  whole_tensor)
+from metaseq.reshard.ranges import OutTensor
 from metaseq.reshard.schema import OPTIM, clean_key, is_tensor
-from metaseq.torchzip import DType, Opaque, pickle_bytes, to_torch
+from metaseq.torchzip import Opaque, pickle_bytes, to_torch
 
 __all__ = ["Comparison", "Difference", "TensorSet", "compare_tensor_sets", "describe_comparison", "open_tensor_set",
            "tensor_difference", "tensor_set_from_source"]
@@ -79,7 +80,8 @@ def tensor_set_from_source(source: Source, inputs: Sequence[InputFile], output_d
     stored = {clean_key(str(k)): k for k, v in shard0["model"].items() if is_tensor(v)} if layout.unflattened else {}
     for src, dst in layout.ties:  # an unflattened file stores each tied copy under its own name: read that
         if dst in stored:
-            model[dst] = _whole(dst, ("model", stored[dst]), shard0["model"][stored[dst]], options.dtype)
+            tensor = shard0["model"][stored[dst]]
+            model[dst] = whole_tensor(("model", dst), ("model", stored[dst]), tensor.shape, tensor.dtype, options.dtype)
         else:
             model[dst] = model[src]._replace(path=("model", dst))
     buffers = frozenset(e.key for e in layout.extras if e.shape is not None)
@@ -87,13 +89,6 @@ def tensor_set_from_source(source: Source, inputs: Sequence[InputFile], output_d
     scalars, settings, scales = ({}, {}, {}) if source.optim is None else _optim_extras(source, names, shard0[OPTIM])
     return TensorSet(tuple(inputs), form, model, buffers, None if source.optim is None else optim, scalars, settings,
                      scales=scales)
-
-
-def _whole(name: str, path: tuple, tensor: Any, cast: DType | None = None) -> OutTensor:
-    """Model tensor `name`: all of input 0's `tensor` at `path`, cast to `cast` if floating."""
-    dtype = cast if cast is not None and tensor.dtype.is_floating_point else tensor.dtype
-    n = tensor.numel()
-    return OutTensor(("model", name), tensor.shape, dtype, (Run(0, path, 0, 0, n),) if n else ())
 
 
 def _optim_extras(source: Source, names: Mapping[int, str], osd0: Mapping[str, Any]) -> tuple[dict, dict, dict]:
@@ -130,7 +125,8 @@ def _plain_tensor_set(item: InputFile, skip_optimizer_state: bool) -> TensorSet:
     for key, value in ((k, v) for k, v in state_dict.items() if is_tensor(v)):
         if not value.is_contiguous():
             raise ReshardError(f"{path}: model['{key}'] is a non-contiguous view; cannot compare it")
-        model[clean_key(str(key))] = _whole(clean_key(str(key)), (*prefix, key), value)
+        name = clean_key(str(key))
+        model[name] = whole_tensor(("model", name), (*prefix, key), value.shape, value.dtype)
     note = ""
     if structure.get(OPTIM) is not None and not skip_optimizer_state:
         note = f"{path} has no shard_metadata, so its optimizer state ids cannot be matched to parameter names"

@@ -35,7 +35,7 @@ from metaseq.torchzip import Copy, DType, NeedsTorch, Opaque, Size, TensorRef, f
 
 __all__ = ["InputFile", "OutFile", "Plan", "Source", "analyze_inputs", "assemble_output", "describe_plan",
            "expand_model_parts", "output_tensors", "plan_model_parallel", "plan_reshard", "plan_structures",
-           "read_inputs", "summarize_plan", "tensor_ref"]
+           "read_inputs", "summarize_plan", "tensor_ref", "whole_tensor"]
 
 logger = logging.getLogger(__name__)
 
@@ -312,12 +312,14 @@ def _flat_targets(model: ModelLayout, root: tuple, sources: Sequence, dtypes: Se
 
 def _extra_targets(extras: Sequence[Extra], root: tuple, options: ReshardOptions) -> list[OutTensor]:
     """Tensors other than flat parameters (buffers): copied (compact) from input 0."""
-    targets = []
-    for extra in (e for e in extras if e.shape is not None):
-        n = extra.shape.numel()
-        runs = (Run(0, (*root, extra.actual_key), 0, 0, n),) if n else ()
-        targets.append(OutTensor((*root, extra.key), extra.shape, _cast(extra.dtype, options.dtype), runs))
-    return targets
+    return [whole_tensor((*root, e.key), (*root, e.actual_key), e.shape, e.dtype, options.dtype)
+            for e in extras if e.shape is not None]
+
+
+def whole_tensor(path: tuple, source: tuple, shape: Size, dtype: DType, cast: DType | None = None) -> OutTensor:
+    """Output tensor `path`: all of input 0's tensor at `source` (of `shape`), cast to `cast` if floating."""
+    n = shape.numel()
+    return OutTensor(path, shape, _cast(dtype, cast), (Run(0, source, 0, 0, n),) if n else ())
 
 
 def _cast(dtype: DType, output_dtype: DType | None) -> DType:
