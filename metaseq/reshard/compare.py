@@ -84,7 +84,7 @@ def tensor_set_from_source(source: Source, inputs: Sequence[InputFile], output_d
             model[dst] = whole_tensor(("model", dst), ("model", stored[dst]), tensor.shape, tensor.dtype, options.dtype)
         else:
             model[dst] = model[src]._replace(path=("model", dst))
-    buffers = frozenset(e.key for e in layout.extras if e.shape is not None)
+    buffers = frozenset(e.key for e in layout.dicts[0].extras if e.shape is not None)
     form = "1 unflattened file" if layout.unflattened else f"{len(inputs)} flat shard{'s' * (len(inputs) > 1)}"
     scalars, settings, scales = ({}, {}, {}) if source.optim is None else _optim_extras(source, names, shard0[OPTIM])
     return TensorSet(tuple(inputs), form, model, buffers, None if source.optim is None else optim, scalars, settings,

@@ -20,7 +20,7 @@ from metaseq.reshard.ranges import Span, shard_range
 from metaseq.reshard.schema import ShardMetadata, clean_key, is_tensor, join_key
 from metaseq.torchzip import DType, Size
 
-__all__ = ["MIRRORS", "Extra", "FlatParam", "Mirror", "ModelLayout", "analyze_model", "global_params",
+__all__ = ["MIRRORS", "Extra", "FlatParam", "ModelLayout", "ParamDict", "analyze_model", "global_params",
            "output_metadata"]
 
 # extra_state dicts that hold state per flat parameter, laid out like `model` on every rank
@@ -62,13 +62,13 @@ class Extra:
 
 
 @dataclass(frozen=True)
-class Mirror:
-    """`extra_state[name]`: like `model`, its flat parameters' elements in `sources` (same cut)."""
+class ParamDict:
+    """A dict that holds the flat parameters: `model`, or a copy laid out like it (EMA, in extra_state)."""
 
-    name: str
-    sources: tuple[tuple[Span, ...], ...]  # [k], as ModelLayout.sources
+    root: tuple[str, ...]  # where it lies: ("model",), ("extra_state", "ema")
+    sources: tuple[tuple[Span, ...], ...]  # [k]: flat parameter k's unpadded elements, in order
     dtypes: tuple[DType, ...]  # [k]
-    extras: tuple[Extra, ...]  # its other entries, from rank 0
+    extras: tuple[Extra, ...]  # its other entries (buffers), from input 0
 
 
 @dataclass(frozen=True)
@@ -78,12 +78,10 @@ class ModelLayout:
     flat_params: tuple[FlatParam, ...]
     padded_lengths: tuple[tuple[int, ...], ...]  # [k][r]: flat tensor length on input r
     kept_lengths: tuple[tuple[int, ...], ...]  # [k][r]: the same without padding
-    sources: tuple[tuple[Span, ...], ...]  # [k]: unpadded elements, in order
-    dtypes: tuple[DType, ...]  # [k]
-    extras: tuple[Extra, ...]
     ties: tuple[tuple[str, str], ...]  # (src, dst) full names
     metadata: ShardMetadata  # rank 0's, template for the outputs
-    mirrors: tuple[Mirror, ...] = ()
+    first: int = 0  # the index of input 0 among the plan's inputs (model parts: the part's first)
+    dicts: tuple[ParamDict, ...] = ()  # the model's first, then the MIRRORS input 0 has
 
 
 def global_params(layout: ModelLayout) -> Iterator[tuple[int, int, int]]:
@@ -92,8 +90,9 @@ def global_params(layout: ModelLayout) -> Iterator[tuple[int, int, int]]:
     return ((g, k, j) for g, (k, j) in enumerate(pairs))
 
 
-def analyze_model(shards: Sequence[Mapping[str, Any]], labels: Sequence[str]) -> ModelLayout:
-    """Validate the inputs against each other and locate every flat parameter's elements."""
+def analyze_model(shards: Sequence[Mapping[str, Any]], labels: Sequence[str], first: int = 0) -> ModelLayout:
+    """Validate the inputs against each other and locate every flat parameter's elements; `first`: see
+    ModelLayout."""
     metas = [_shard_metadata(s, label) for s, label in zip(shards, labels)]
     flat_params = _parse_flat_params(metas[0], labels[0])
     for meta, label in zip(metas[1:], labels[1:]):
@@ -109,9 +108,14 @@ def analyze_model(shards: Sequence[Mapping[str, Any]], labels: Sequence[str]) ->
         padded = kept = tuple((fp.numel,) for fp in flat_params)
     else:
         padded, kept = _flat_lengths(models, metas, key_maps, flat_params, labels)
-    layout = ModelLayout(tuple(labels), forms[0], flat_params, padded, kept, (), (), (), ties, metas[0])
-    sources, dtypes, extras = _located(layout, models, key_maps, ("model",), _BAD_MODEL)
-    return dataclasses.replace(layout, sources=sources, dtypes=dtypes, extras=extras, mirrors=_mirrors(shards, layout))
+    layout = ModelLayout(tuple(labels), forms[0], flat_params, padded, kept, ties, metas[0], first)
+    dicts = [_param_dict(layout, models, key_maps, ("model",))]
+    for name in MIRRORS:  # checked on every input to hold the flat parameters as `model` does
+        mirrors = [s["extra_state"].get(name) if isinstance(s.get("extra_state"), Mapping) else None for s in shards]
+        if mirrors[0] is not None:
+            maps = [_key_map(entries, label, f"extra_state['{name}']") for entries, label in zip(mirrors, labels)]
+            dicts.append(_param_dict(layout, mirrors, maps, ("extra_state", name)))
+    return dataclasses.replace(layout, dicts=tuple(dicts))
 
 
 def output_metadata(layout: ModelLayout, paddings: Sequence[int]) -> ShardMetadata:
@@ -276,11 +280,10 @@ def _check_consumed(fp: FlatParam, keeps: Sequence[int], labels: Sequence[str]) 
                        "one checkpoint?")
 
 
-def _located(layout: ModelLayout, dicts: Sequence[Mapping[str, Any]], maps: Sequence[Mapping[str, str]], root: tuple,
-             bad: str) -> tuple[tuple[tuple[Span, ...], ...], tuple[DType, ...], tuple[Extra, ...]]:
-    """Sources and dtypes of the flat parameters in `dicts` (one per input, laid out like `model` at `root`),
-    each tensor checked against the layout's lengths (or shapes, unflattened; `bad` formats the error); and
-    input 0's other entries."""
+def _param_dict(layout: ModelLayout, dicts: Sequence[Mapping[str, Any]], maps: Sequence[Mapping[str, str]],
+                root: tuple) -> ParamDict:
+    """The flat parameters in `dicts` (one per input, laid out like `model` at `root`), each tensor checked
+    against the layout's lengths (or shapes, unflattened), with input 0's other entries."""
     where = root[0] + "".join(f"['{key}']" for key in root[1:])
     sources, dtypes = [], []
     for k, fp in enumerate(layout.flat_params):
@@ -292,28 +295,17 @@ def _located(layout: ModelLayout, dicts: Sequence[Mapping[str, Any]], maps: Sequ
                 tensor = entries.get(key_map.get(key))
                 if not is_tensor(tensor) or tensor.shape != shape:
                     found = list(tensor.shape) if is_tensor(tensor) else type(tensor).__name__
+                    bad = _BAD_MODEL if root == ("model",) else _BAD_MIRROR
                     raise ReshardError(bad.format(label=label, where=where, key=key, found=found, shape=list(shape)))
-                spans.append(Span(r, (*root, key_map[key]), 0, length))
+                spans.append(Span(layout.first + r, (*root, key_map[key]), 0, length))
         sources.append(tuple(spans))
         # A flat parameter that holds no parameters has no elements: any tensor's dtype.
-        first = dicts[0][spans[0].path[-1]] if spans else next(v for v in dicts[0].values() if is_tensor(v))
-        dtypes.append(first.dtype)
+        tensor = dicts[0][spans[0].path[-1]] if spans else next(v for v in dicts[0].values() if is_tensor(v))
+        dtypes.append(tensor.dtype)
     taken = {fp.key for fp in layout.flat_params}
     if layout.unflattened:
         taken = {n for fp in layout.flat_params for n in fp.names} | {dst for _, dst in layout.ties}
     values = {clean: (actual, dicts[0][actual]) for clean, actual in maps[0].items() if clean not in taken}
     extras = tuple(Extra(clean, actual, value.shape, value.dtype) if is_tensor(value) else
                    Extra(clean, actual, None, None) for clean, (actual, value) in values.items())
-    return tuple(sources), tuple(dtypes), extras
-
-
-def _mirrors(shards: Sequence[Mapping[str, Any]], layout: ModelLayout) -> tuple[Mirror, ...]:
-    """The MIRRORS in input 0's extra_state, each checked on every input to hold the flat parameters as `model` does."""
-    mirrors = []
-    for name in MIRRORS:
-        dicts = [s["extra_state"].get(name) if isinstance(s.get("extra_state"), Mapping) else None for s in shards]
-        if dicts[0] is None:
-            continue
-        maps = [_key_map(entries, label, f"extra_state['{name}']") for entries, label in zip(dicts, layout.labels)]
-        mirrors.append(Mirror(name, *_located(layout, dicts, maps, ("extra_state", name), _BAD_MIRROR)))
-    return tuple(mirrors)
+    return ParamDict(tuple(root), tuple(sources), tuple(dtypes), extras)

@@ -20,23 +20,9 @@ from metaseq.reshard.optim import OptimLayout, StateEntry
 from metaseq.reshard.ranges import Span, SpanIndex, join_spans, side_by_side
 from metaseq.torchzip import DType, Size, read_at
 
-__all__ = ["check_parts_fit", "cut_model_parts", "global_shapes", "shift_inputs"]
+__all__ = ["check_parts_fit", "cut_model_parts", "global_shapes"]
 
 logger = logging.getLogger(__name__)
-
-
-def shift_inputs(model: ModelLayout, optim: OptimLayout | None, offset: int) -> tuple[ModelLayout, OptimLayout | None]:
-    """The same layout with its spans' input indices moved by `offset` (a part's inputs among all parts')."""
-    def moved(spans: Sequence[Span]) -> tuple[Span, ...]:
-        return tuple(s._replace(input=s.input + offset) for s in spans)
-
-    model = dataclasses.replace(model, sources=tuple(moved(s) for s in model.sources), mirrors=tuple(
-        dataclasses.replace(m, sources=tuple(moved(s) for s in m.sources)) for m in model.mirrors))
-    if optim is not None:
-        optim = dataclasses.replace(optim, entries={k: tuple(
-            dataclasses.replace(e, segments=moved(e.segments)) if e.segments is not None else e for e in entries)
-            for k, entries in optim.entries.items()})
-    return model, optim
 
 
 def global_shapes(parts: Sequence[ModelLayout]) -> dict[str, Size]:
@@ -89,9 +75,9 @@ def cut_model_parts(parts: Sequence[ModelLayout], optims: Sequence[OptimLayout |
     cut, first = _Cutter(parts, shapes, num_parts, part, structures), parts[0]
     model = dataclasses.replace(
         first, labels=tuple(label for p in parts for label in p.labels),
-        flat_params=tuple(cut.flat_param(fp) for fp in first.flat_params), sources=cut.all([p.sources for p in parts]),
-        mirrors=tuple(dataclasses.replace(m, sources=cut.all([p.mirrors[i].sources for p in parts]))
-                      for i, m in enumerate(first.mirrors)),
+        flat_params=tuple(cut.flat_param(fp) for fp in first.flat_params), first=0,
+        dicts=tuple(dataclasses.replace(d, sources=cut.all([p.dicts[i].sources for p in parts]))
+                    for i, d in enumerate(first.dicts)),
     )
     if optims[0] is None:
         return model, None

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 from metaseq.errors import ReshardError
-from metaseq.reshard.layout import FlatParam, ModelLayout, global_params
+from metaseq.reshard.layout import ModelLayout, global_params
 from metaseq.reshard.ranges import OutTensor, Span, plan_range, shard_range
 from metaseq.reshard.schema import OPTIM, is_tensor
 from metaseq.torchzip import DType, Size, TensorRef
@@ -132,7 +132,7 @@ def _flat_entry(osds: Sequence[Mapping[str, Any]], model: ModelLayout, k: int, n
             raise ReshardError(f"{label}: {OPTIM}.state[{k}]['{name}'] has shape {found} but flat parameter "
                                f"'{fp.key}' has {expected} elements there; the optimizer state does not match the "
                                "flat parameters")
-        segments.append(Span(r, (OPTIM, "state", k, name), 0, model.kept_lengths[k][r]))
+        segments.append(Span(model.first + r, (OPTIM, "state", k, name), 0, model.kept_lengths[k][r]))
     return StateEntry(name, segments=tuple(segments), dtype=values[0].dtype)
 
 
@@ -160,7 +160,7 @@ def _consolidated_entries(osds: Sequence[Mapping[str, Any]], model: ModelLayout)
         if missing and len(missing) < len(ids):
             raise ReshardError(f"{label}: {OPTIM}.state lacks parameters {missing} of flat parameter '{fp.key}'")
         if not missing:
-            entries[k] = tuple(_consolidated_entry(state, fp, ids, name, name in per_element, label)
+            entries[k] = tuple(_consolidated_entry(state, model, k, ids, name, name in per_element)
                                for name in state[ids[0]])
     return entries
 
@@ -179,9 +179,9 @@ def _per_element_names(state: Mapping[int, Mapping[str, Any]], model: ModelLayou
                      or name != "step" and all(is_tensor(v) and v.shape == shapes.get(g) for g, v in values))
 
 
-def _consolidated_entry(state: Mapping[int, Mapping[str, Any]], fp: FlatParam, ids: Sequence[int], name: str,
-                        per_element: bool, label: str) -> StateEntry:
-    first = state[ids[0]][name]
+def _consolidated_entry(state: Mapping[int, Mapping[str, Any]], model: ModelLayout, k: int, ids: Sequence[int],
+                        name: str, per_element: bool) -> StateEntry:
+    first, fp = state[ids[0]][name], model.flat_params[k]
     if not per_element:
         gathered = isinstance(first, list) and bool(first) and all(_is_scalar_tensor(v) for v in first)
         return StateEntry(name, values=tuple(first) if gathered else (first,), gathered=gathered)
@@ -190,9 +190,9 @@ def _consolidated_entry(state: Mapping[int, Mapping[str, Any]], fp: FlatParam, i
         value = state[g].get(name)
         if not is_tensor(value) or value.numel() != shape.numel():
             found = list(value.shape) if is_tensor(value) else type(value).__name__
-            raise ReshardError(f"{label}: {OPTIM}.state[{g}]['{name}'] has shape {found} but parameter "
+            raise ReshardError(f"{model.labels[0]}: {OPTIM}.state[{g}]['{name}'] has shape {found} but parameter "
                                f"'{param_name}' has shape {list(shape)}")
-        segments.append(Span(0, (OPTIM, "state", g, name), 0, shape.numel()))
+        segments.append(Span(model.first, (OPTIM, "state", g, name), 0, shape.numel()))
     return StateEntry(name, segments=tuple(segments), dtype=first.dtype)
 
 

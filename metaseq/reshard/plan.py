@@ -23,11 +23,11 @@ from typing import Any, Mapping, Sequence
 
 from metaseq.errors import ReshardError, UserError
 from metaseq.file_io import find_model_parts, find_shards, load_checkpoint
-from metaseq.reshard.layout import Extra, ModelLayout, analyze_model, output_metadata
+from metaseq.reshard.layout import ModelLayout, ParamDict, analyze_model, output_metadata
 from metaseq.reshard.optim import (OptimLayout, analyze_optimizer, assemble_consolidated_optimizer,
                                    assemble_flat_optimizer, check_per_rank_state, consolidated_optimizer_targets,
                                    flat_optimizer_targets)
-from metaseq.reshard.model_parallel import check_parts_fit, cut_model_parts, global_shapes, shift_inputs
+from metaseq.reshard.model_parallel import check_parts_fit, cut_model_parts, global_shapes
 from metaseq.reshard.options import ReshardOptions
 from metaseq.reshard.ranges import OutTensor, Run, plan_range, shard_range
 from metaseq.reshard.schema import OPTIM, is_tensor
@@ -120,17 +120,16 @@ def plan_model_parallel(options: ReshardOptions) -> Plan:
         )
     parts, first = [], 0
     for group in groups:
-        source = analyze_inputs(structures[first : first + len(group)], group, options)
-        parts.append(shift_inputs(source.model, source.optim, first))
+        parts.append(analyze_inputs(structures[first : first + len(group)], group, options, first))
         first += len(group)
     num_parts, num_shards = options.num_output_parts, options.num_output_shards
     heads = _cfg_field(structures[0], "model", "decoder_attention_heads")
-    shapes = global_shapes([model for model, _ in parts])
+    shapes = global_shapes([p.model for p in parts])
     check_parts_fit(shapes, num_parts, heads)
     names = _part_names(options, num_parts, paths)
     files = []
     for q in range(num_parts):
-        source = Source(*cut_model_parts([m for m, _ in parts], [o for _, o in parts], shapes, num_parts, q,
+        source = Source(*cut_model_parts([p.model for p in parts], [p.optim for p in parts], shapes, num_parts, q,
                                          structures))
         files += [OutFile(names[q][m], m, tuple(output_tensors(source, options, m)), q, source)
                   for m in range(num_shards)]
@@ -262,11 +261,13 @@ def _checked(plan: Plan) -> Plan:
     return plan
 
 
-def analyze_inputs(structures: Sequence[Mapping[str, Any]], labels: Sequence[str], options: ReshardOptions) -> Source:
-    """Validate the inputs (ordered by rank) against each other and the options; no tensor data is read."""
+def analyze_inputs(structures: Sequence[Mapping[str, Any]], labels: Sequence[str], options: ReshardOptions,
+                   first: int = 0) -> Source:
+    """Validate the inputs (ordered by rank; `first`: input 0's index in the plan) against each other and the
+    options; no tensor data is read."""
     if not structures:
         raise ReshardError("no input shards")
-    model = analyze_model(structures, labels)
+    model = analyze_model(structures, labels, first)
     optim = None if options.skip_optimizer_state else analyze_optimizer(structures, model)
     if optim is not None and options.unflatten_weights and optim.num_param_groups != 1:
         raise ReshardError(
@@ -281,13 +282,10 @@ def analyze_inputs(structures: Sequence[Mapping[str, Any]], labels: Sequence[str
 
 def output_tensors(source: Source, options: ReshardOptions, rank: int) -> list[OutTensor]:
     """Every tensor of output shard `rank`: its shape, dtype and the input runs to copy."""
-    model = source.model
-    targets = _flat_targets(model, ("model",), model.sources, model.dtypes, options, rank)
-    targets += _extra_targets(model.extras, ("model",), options)
-    for mirror in model.mirrors:  # EMA: cut like the model, never cast
-        root = ("extra_state", mirror.name)
-        targets += _flat_targets(model, root, mirror.sources, mirror.dtypes, options.without_dtype, rank)
-        targets += _extra_targets(mirror.extras, root, options.without_dtype)
+    model, targets = source.model, []
+    for held in model.dicts:  # the model, then its EMA copies: cut like it, never cast
+        opts = options if held.root == ("model",) else options.without_dtype
+        targets += _flat_targets(model, held, opts, rank) + _extra_targets(held, opts)
     if source.optim is not None and options.unflatten_weights:
         targets += consolidated_optimizer_targets(source.optim, model)
     elif source.optim is not None:
@@ -295,25 +293,24 @@ def output_tensors(source: Source, options: ReshardOptions, rank: int) -> list[O
     return targets
 
 
-def _flat_targets(model: ModelLayout, root: tuple, sources: Sequence, dtypes: Sequence[DType],
-                  options: ReshardOptions, rank: int) -> list[OutTensor]:
-    """The flat parameters (or, unflattening, the original parameters) whose elements `sources` hold."""
-    targets = []
+def _flat_targets(model: ModelLayout, held: ParamDict, options: ReshardOptions, rank: int) -> list[OutTensor]:
+    """The flat parameters (or, unflattening, the original parameters) of `held`."""
+    targets, root = [], held.root
     for k, fp in enumerate(model.flat_params):
-        dtype = _cast(dtypes[k], options.dtype)
+        dtype, sources = _cast(held.dtypes[k], options.dtype), held.sources[k]
         if options.unflatten_weights:
             for name, shape, (start, end) in zip(fp.names, fp.shapes, fp.ranges()):
-                targets.append(OutTensor((*root, name), shape, dtype, plan_range(sources[k], start, end)))
+                targets.append(OutTensor((*root, name), shape, dtype, plan_range(sources, start, end)))
         else:
             start, end, padded_len = shard_range(fp.numel, options.num_output_shards, rank)
-            targets.append(OutTensor((*root, fp.key), Size([padded_len]), dtype, plan_range(sources[k], start, end)))
+            targets.append(OutTensor((*root, fp.key), Size([padded_len]), dtype, plan_range(sources, start, end)))
     return targets
 
 
-def _extra_targets(extras: Sequence[Extra], root: tuple, options: ReshardOptions) -> list[OutTensor]:
+def _extra_targets(held: ParamDict, options: ReshardOptions) -> list[OutTensor]:
     """Tensors other than flat parameters (buffers): copied (compact) from input 0."""
-    return [whole_tensor((*root, e.key), (*root, e.actual_key), e.shape, e.dtype, options.dtype)
-            for e in extras if e.shape is not None]
+    return [whole_tensor((*held.root, e.key), (*held.root, e.actual_key), e.shape, e.dtype, options.dtype)
+            for e in held.extras if e.shape is not None]
 
 
 def whole_tensor(path: tuple, source: tuple, shape: Size, dtype: DType, cast: DType | None = None) -> OutTensor:
@@ -355,7 +352,7 @@ def assemble_output(plan: Plan, out: OutFile) -> dict[str, Any]:
     result: dict[str, Any] = {}
     for key, value in plan.inputs[0].structure.items():
         if key == "model":
-            result[key] = _assemble_model(source.model, options, value, tensors)
+            result[key] = _assemble_dict(source.model, source.model.dicts[0], options, value, tensors)
         elif key == "shard_metadata":
             result[key] = output_metadata(source.model, _paddings(source.model, options, out.rank))
         elif key == OPTIM and options.skip_optimizer_state:
@@ -377,17 +374,18 @@ def assemble_output(plan: Plan, out: OutFile) -> dict[str, Any]:
     return result
 
 
-def _assemble_model(model: ModelLayout, options: ReshardOptions, model0: Mapping[str, Any], tensors: dict,
-                    root: tuple = ("model",), extras: Sequence[Extra] | None = None) -> dict:
+def _assemble_dict(model: ModelLayout, held: ParamDict, options: ReshardOptions, value0: Mapping[str, Any],
+                   tensors: dict) -> dict:
+    """`held` (input 0's is `value0`) with this output's tensors."""
     out: dict[str, Any] = {}
     for fp in model.flat_params:
         for key in fp.names if options.unflatten_weights else (fp.key,):
-            out[key] = tensors[(*root, key)]
+            out[key] = tensors[(*held.root, key)]
     if options.unflatten_weights:
         for src, dst in model.ties:  # the same tensor: saved once, loaded as a tie
             out[dst] = out[src]
-    for extra in model.extras if extras is None else extras:
-        out[extra.key] = tensors[(*root, extra.key)] if extra.shape is not None else model0[extra.actual_key]
+    for extra in held.extras:
+        out[extra.key] = tensors[(*held.root, extra.key)] if extra.shape is not None else value0[extra.actual_key]
     return out
 
 
@@ -395,9 +393,8 @@ def _assemble_extra_state(model: ModelLayout, options: ReshardOptions, extra0: M
                           tensors: dict) -> dict[str, Any]:
     """Input 0's extra_state with the mirrors (EMA) cut like the model; `--drop-metaseq-req` applied."""
     out = dict(extra0)
-    for mirror in model.mirrors:
-        out[mirror.name] = _assemble_model(model, options, extra0[mirror.name], tensors,
-                                           ("extra_state", mirror.name), mirror.extras)
+    for held in model.dicts[1:]:
+        out[held.root[1]] = _assemble_dict(model, held, options, extra0[held.root[1]], tensors)
     if options.drop_metaseq_req:
         out["train_iterator"] = None
     return out
