@@ -68,16 +68,11 @@ def _verify_part(plan: Plan, part: int) -> Counter:
     planned, paths = outs[0].source or plan.source, [out.path for out in outs]
     files = read_inputs(paths, trust=opts.trust_checkpoint)
     found = analyze_inputs([f.structure for f in files], paths, ReshardOptions())
-    ref, out = planned.model, found.model
-    if out.unflattened != opts.unflatten_weights:
-        raise ReshardError(f"{paths[0]} is {'unflattened' if out.unflattened else 'flat'}, unlike the plan")
-    if len(out.flat_params) != len(ref.flat_params) or out.ties != ref.ties:
-        raise ReshardError(f"{paths[0]}: flat parameters or ties differ from the inputs' metadata")
-    for mine, theirs in zip(out.flat_params, ref.flat_params):
-        if (mine.key, mine.names, mine.shapes) != (theirs.key, theirs.names, theirs.shapes):
-            raise ReshardError(f"{paths[0]}: flat parameter '{mine.key}' differs from the inputs' metadata")
-    if (found.optim is None) != (planned.optim is None):
-        raise ReshardError(f"{paths[0]} {'lacks' if found.optim is None else 'has'} optimizer state, unlike the plan")
+    ours, theirs = (([(fp.key, fp.names, fp.shapes) for fp in source.model.flat_params], source.model.ties,
+                     source.optim is None) for source in (found, planned))
+    out = found.model
+    if out.unflattened != opts.unflatten_weights or ours != theirs:
+        raise ReshardError(f"{paths[0]}: its form, flat parameters, ties or optimizer state differ from the plan")
     for k, fp in enumerate(out.flat_params if not opts.unflatten_weights else ()):  # FSDP's padding, rank by rank
         for rank, (path, padded, kept) in enumerate(zip(paths, out.padded_lengths[k], out.kept_lengths[k])):
             start, end, padded_len = shard_range(fp.numel, opts.num_output_shards, rank)
