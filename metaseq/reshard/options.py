@@ -56,11 +56,6 @@ class ReshardOptions:
         """The dtype floating model tensors are cast to, or None."""
         return dtype_by_name(DTYPES[self.output_dtype]) if self.output_dtype else None
 
-    @property
-    def without_dtype(self) -> ReshardOptions:
-        """The same options without --output-dtype (for state that is never cast)."""
-        return dataclasses.replace(self, output_dtype=None)
-
     @classmethod
     def from_fields(cls, values: Mapping[str, Any]) -> ReshardOptions:
         """The options among `values` (e.g. `vars(args)`), by field name; other keys are ignored."""

@@ -284,8 +284,8 @@ def output_tensors(source: Source, options: ReshardOptions, rank: int) -> list[O
     """Every tensor of output shard `rank`: its shape, dtype and the input runs to copy."""
     model, targets = source.model, []
     for held in model.dicts:  # the model, then its EMA copies: cut like it, never cast
-        opts = options if held.root == ("model",) else options.without_dtype
-        targets += _flat_targets(model, held, opts, rank) + _extra_targets(held, opts)
+        cast = options.dtype if held.root == ("model",) else None
+        targets += _flat_targets(model, held, options, rank, cast) + _extra_targets(held, cast)
     if source.optim is not None and options.unflatten_weights:
         targets += consolidated_optimizer_targets(source.optim, model)
     elif source.optim is not None:
@@ -293,11 +293,12 @@ def output_tensors(source: Source, options: ReshardOptions, rank: int) -> list[O
     return targets
 
 
-def _flat_targets(model: ModelLayout, held: ParamDict, options: ReshardOptions, rank: int) -> list[OutTensor]:
-    """The flat parameters (or, unflattening, the original parameters) of `held`."""
+def _flat_targets(model: ModelLayout, held: ParamDict, options: ReshardOptions, rank: int,
+                  cast: DType | None) -> list[OutTensor]:
+    """The flat parameters (or, unflattening, the original parameters) of `held`, floats cast to `cast`."""
     targets, root = [], held.root
     for k, fp in enumerate(model.flat_params):
-        dtype, sources = _cast(held.dtypes[k], options.dtype), held.sources[k]
+        dtype, sources = _cast(held.dtypes[k], cast), held.sources[k]
         if options.unflatten_weights:
             for name, shape, (start, end) in zip(fp.names, fp.shapes, fp.ranges()):
                 targets.append(OutTensor((*root, name), shape, dtype, plan_range(sources, start, end)))
@@ -307,9 +308,9 @@ def _flat_targets(model: ModelLayout, held: ParamDict, options: ReshardOptions, 
     return targets
 
 
-def _extra_targets(held: ParamDict, options: ReshardOptions) -> list[OutTensor]:
+def _extra_targets(held: ParamDict, cast: DType | None) -> list[OutTensor]:
     """Tensors other than flat parameters (buffers): copied (compact) from input 0."""
-    return [whole_tensor((*held.root, e.key), (*held.root, e.actual_key), e.shape, e.dtype, options.dtype)
+    return [whole_tensor((*held.root, e.key), (*held.root, e.actual_key), e.shape, e.dtype, cast)
             for e in held.extras if e.shape is not None]
 
 
@@ -331,17 +332,12 @@ def _resolve(obj: Any, path: Sequence[Any]) -> Any:
 
 def tensor_ref(tensor: OutTensor, inputs: Sequence[InputFile]) -> TensorRef:
     """A new tensor whose storage is filled from the runs' bytes in the inputs (cast where dtypes differ)."""
-    out = TensorRef.empty(tensor.shape, tensor.dtype)
-    found: dict[tuple, tuple] = {}  # (input, path) -> (source, byte offset of element 0, itemsize, dtype)
-    itemsize = tensor.dtype.itemsize
+    out, itemsize = TensorRef.empty(tensor.shape, tensor.dtype), tensor.dtype.itemsize
     for run in tensor.runs:
-        if (run.input, run.path) not in found:
-            src = _resolve(inputs[run.input].structure, run.path)  # contiguous: checked while planning
-            source, offset = src.storage.locate(src.storage_offset)
-            found[run.input, run.path] = (source, offset, src.dtype.itemsize, src.dtype)
-        source, offset, size, dtype = found[run.input, run.path]
-        out.storage.copies.append(Copy(source, offset + run.start * size, run.offset * itemsize, run.length, dtype,
-                                       run.count, run.stride * size, run.pitch * itemsize))
+        src = _resolve(inputs[run.input].structure, run.path)  # contiguous: checked while planning
+        source, offset = src.storage.locate(src.storage_offset + run.start)
+        out.storage.copies.append(Copy(source, offset, run.offset * itemsize, run.length, src.dtype, run.count,
+                                       run.stride * src.dtype.itemsize, run.pitch * itemsize))
     return out
 
 
