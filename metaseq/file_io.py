@@ -34,7 +34,7 @@ _PART_RE = re.compile(r"model_part-(\d+)")
 _SHARD_RE = re.compile(r"shard(\d+)")
 
 
-def shard_file_name(prefix: str, model_part: int, shard: int) -> str:
+def shard_file_name(prefix: str, model_part: int | str, shard: int | str) -> str:
     """`checkpoint_last` -> `checkpoint_last-model_part-0-shard3.pt` (metaseq's naming)."""
     return f"{prefix}-model_part-{model_part}-shard{shard}.pt"
 
@@ -46,7 +46,7 @@ def checkpoint_prefix(stem: str | os.PathLike) -> str:
 
 def shard_glob(stem: str | os.PathLike, model_part: int | str = 0) -> str:
     """`DIR/checkpoint_last.pt` (or one of its shard files) -> `DIR/checkpoint_last-model_part-0-shard*.pt`."""
-    return f"{glob.escape(checkpoint_prefix(stem))}-model_part-{model_part}-shard*.pt"
+    return shard_file_name(glob.escape(checkpoint_prefix(stem)), model_part, "*")
 
 
 def natural_sort_key(path: str | os.PathLike) -> list:
@@ -241,7 +241,7 @@ def load_checkpoint(path: str | os.PathLike, *, mmap: bool = False, trust: bool 
     path = str(path)
     mmap = mmap and check_checkpoint_crc(path, tensors=False) is not None
     try:
-        with contextlib.nullcontext() if trust else torch.serialization.safe_globals(SAFE_GLOBALS):
+        with torch.serialization.safe_globals(SAFE_GLOBALS):  # only weights_only reads them
             obj = torch.load(path, map_location="cpu", mmap=mmap, weights_only=not trust)
     except FileNotFoundError:
         raise CheckpointLoadError(f"{path}: no such file") from None

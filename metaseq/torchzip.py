@@ -451,8 +451,8 @@ def _thread_buffer(name: str, size: int) -> memoryview:
     buffer for every window would cost a page fault per page); a fresh one if larger."""
     if size > WINDOW_BYTES:
         return memoryview(bytearray(size))
-    buffer = getattr(_THREAD, name, None)
-    if buffer is None or len(buffer) != WINDOW_BYTES:
+    buffer = getattr(_THREAD, name, b"")
+    if len(buffer) != WINDOW_BYTES:
         buffer = bytearray(WINDOW_BYTES)
         setattr(_THREAD, name, buffer)
     return memoryview(buffer)[:size]
@@ -609,15 +609,13 @@ def pickle_bytes(obj: Any) -> bytes:
 
 def _entries(obj: Any, archive: str) -> list[_Entry]:
     pickler = _Pickler()
-    pkl = pickler.dump(obj)
 
     def small(name: str, data: bytes) -> _Entry:
         return _Entry(f"{archive}/{name}".encode(), len(data), data, crc=zlib.crc32(data))
 
-    entries = [small("data.pkl", pkl), small(".format_version", b"1"),
+    entries = [small("data.pkl", pickler.dump(obj)), small(".format_version", b"1"),  # dump() fills .storages
                small(".storage_alignment", str(ALIGNMENT).encode()), small("byteorder", b"little")]
-    for key, storage in pickler.storages.values():
-        entries.append(_Entry(f"{archive}/data/{key}".encode(), storage.nbytes, storage=storage))
+    entries += [_Entry(f"{archive}/data/{key}".encode(), s.nbytes, storage=s) for key, s in pickler.storages.values()]
     serialization_id = str(int.from_bytes(os.urandom(16), "little")).zfill(40)[:40].encode()
     return entries + [small("version", b"3\n"), small(".data/serialization_id", serialization_id)]
 
