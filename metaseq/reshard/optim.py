@@ -94,10 +94,9 @@ def analyze_optimizer(shards: Sequence[Mapping[str, Any]], model: ModelLayout) -
         if not isinstance(osd, Mapping) or not {"state", "param_groups"} <= set(osd):
             raise ReshardError(f"{label}: {OPTIM} has no 'state' and 'param_groups' (not a torch optimizer "
                                "state_dict); pass --skip-optimizer-state to drop it")
-    num_groups = len(osds[0]["param_groups"])
-    if "param_id_map" in osds[0]:
-        return OptimLayout(True, _consolidated_entries(osds, model), num_groups)
-    return OptimLayout(False, _flat_entries(osds, model), num_groups)
+    consolidated = "param_id_map" in osds[0]
+    entries = _consolidated_entries(osds, model) if consolidated else _flat_entries(osds, model)
+    return OptimLayout(consolidated, entries, len(osds[0]["param_groups"]))
 
 
 def _flat_entries(osds: Sequence[Mapping[str, Any]], model: ModelLayout) -> dict[int, tuple[StateEntry, ...]]:
@@ -117,22 +116,19 @@ def _flat_entries(osds: Sequence[Mapping[str, Any]], model: ModelLayout) -> dict
 
 def _flat_entry(osds: Sequence[Mapping[str, Any]], model: ModelLayout, k: int, name: str) -> StateEntry:
     labels, fp = model.labels, model.flat_params[k]
-    values = []
     for osd, label in zip(osds, labels):
         if name not in osd["state"][k]:
             raise ReshardError(f"{label}: {OPTIM}.state[{k}] lacks '{name}', which {labels[0]} has")
-        values.append(osd["state"][k][name])
+    values = [osd["state"][k][name] for osd in osds]
     if not any(is_tensor(v) and v.dim() > 0 for v in values):
         return StateEntry(name, values=tuple(values))
-    segments = []
-    for r, (value, label) in enumerate(zip(values, labels)):
-        expected = model.padded_lengths[k][r]
+    for value, label, expected in zip(values, labels, model.padded_lengths[k]):
         if not is_tensor(value) or value.dim() != 1 or value.numel() != expected:
             found = list(value.shape) if is_tensor(value) else type(value).__name__
             raise ReshardError(f"{label}: {OPTIM}.state[{k}]['{name}'] has shape {found} but flat parameter "
                                f"'{fp.key}' has {expected} elements there; the optimizer state does not match the "
                                "flat parameters")
-        segments.append(Span(model.first + r, (OPTIM, "state", k, name), 0, model.kept_lengths[k][r]))
+    segments = [Span(model.first + r, (OPTIM, "state", k, name), 0, n) for r, n in enumerate(model.kept_lengths[k])]
     return StateEntry(name, segments=tuple(segments), dtype=values[0].dtype)
 
 
@@ -185,14 +181,13 @@ def _consolidated_entry(state: Mapping[int, Mapping[str, Any]], model: ModelLayo
     if not per_element:
         gathered = isinstance(first, list) and bool(first) and all(_is_scalar_tensor(v) for v in first)
         return StateEntry(name, values=tuple(first) if gathered else (first,), gathered=gathered)
-    segments = []
     for g, param_name, shape in zip(ids, fp.names, fp.shapes):
         value = state[g].get(name)
         if not is_tensor(value) or value.numel() != shape.numel():
             found = list(value.shape) if is_tensor(value) else type(value).__name__
             raise ReshardError(f"{model.labels[0]}: {OPTIM}.state[{g}]['{name}'] has shape {found} but parameter "
                                f"'{param_name}' has shape {list(shape)}")
-        segments.append(Span(model.first, (OPTIM, "state", g, name), 0, shape.numel()))
+    segments = [Span(model.first, (OPTIM, "state", g, name), 0, shape.numel()) for g, shape in zip(ids, fp.shapes)]
     return StateEntry(name, segments=tuple(segments), dtype=first.dtype)
 
 
@@ -217,8 +212,7 @@ def _targets(optim: OptimLayout, pieces: Sequence[tuple[int, int, int, int, Size
 def assemble_flat_optimizer(osd0: Mapping[str, Any], optim: OptimLayout, model: ModelLayout,
                             tensors: Mapping[tuple, TensorRef], rank: int) -> dict[str, Any]:
     """One rank's flat optimizer state_dict; other keys (param_groups, loss_scale) from rank 0."""
-    state = {k: _state(entries, k, tensors, lambda e: e.flat_value(rank)) for k, entries in optim.entries.items()}
-    out = _carried(osd0, state)
+    out = _assembled(osd0, optim.entries, tensors, lambda e: e.flat_value(rank))
     if optim.consolidated:  # back to one id per flat parameter, as fairscale's flatten_optim_state_dict
         out["param_groups"][0]["params"] = list(range(len(model.flat_params)))
     return out
@@ -228,21 +222,20 @@ def assemble_consolidated_optimizer(osd0: Mapping[str, Any], optim: OptimLayout,
                                     tensors: Mapping[tuple, TensorRef]) -> dict[str, Any]:
     """fairscale's consolidated layout, exactly as `gather_full_optim_state_dict` returns it."""
     id_map = {g: k if k in optim.entries else None for g, k, _ in global_params(model)}
-    state = {g: _state(optim.entries[k], g, tensors, StateEntry.consolidated_value)
-             for g, k in id_map.items() if k is not None}
-    out = _carried(osd0, state)
+    entries = {g: optim.entries[k] for g, k in id_map.items() if k is not None}
+    out = _assembled(osd0, entries, tensors, StateEntry.consolidated_value)
     out["param_groups"][0]["params"] = list(range(len(id_map)))
     out["param_id_map"] = id_map
     out["uncollected_local_ids"] = []
     return out
 
 
-def _state(entries: Sequence[StateEntry], i: int, tensors: Mapping[tuple, TensorRef],
-           scalar: Callable[[StateEntry], Any]) -> dict[str, Any]:
-    return {e.name: tensors[(OPTIM, "state", i, e.name)] if e.segments is not None else scalar(e) for e in entries}
-
-
-def _carried(osd0: Mapping[str, Any], state: dict[int, dict[str, Any]]) -> dict[str, Any]:
+def _assembled(osd0: Mapping[str, Any], entries: Mapping[int, Sequence[StateEntry]], tensors: Mapping[tuple, TensorRef],
+               scalar: Callable[[StateEntry], Any]) -> dict[str, Any]:
+    """State id i holding the states `entries[i]` (tensors as planned, scalars by `scalar`), then the keys of `osd0`
+    other than LAYOUT_KEYS (param_groups copied)."""
+    state = {i: {e.name: tensors[(OPTIM, "state", i, e.name)] if e.segments is not None else scalar(e) for e in states}
+             for i, states in entries.items()}
     carried = {key: copy.deepcopy(value) if key == "param_groups" else value
                for key, value in osd0.items() if key not in LAYOUT_KEYS}
     return {"state": state, **carried}

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple, Sequence
 
 from metaseq.torchzip import DType, Size
 
-__all__ = ["OutTensor", "Run", "Span", "SpanIndex", "Tile", "join_spans", "plan_range", "shard_range", "sub_spans"]
+__all__ = ["OutTensor", "Run", "Span", "SpanIndex", "Tile", "join_spans", "plan_range", "shard_range"]
 
 
 class Span(NamedTuple):
@@ -77,17 +77,12 @@ def shard_range(numel: int, world_size: int, rank: int) -> tuple[int, int, int]:
 def plan_range(spans: Sequence[Span | Tile], start: int, end: int, offset: int = 0) -> tuple[Run, ...]:
     """Runs that copy elements [start, end) of the spans laid end to end, to output elements from `offset`."""
     runs = []
-    for item in sub_spans(spans, start, end):
+    for item in SpanIndex(spans).slice(start, end):
         pieces, pitch = (item.spans, item.width) if isinstance(item, Tile) else ((item,), 0)
         for s, at in zip(pieces, itertools.accumulate((s.length for s in pieces), initial=offset)):
             runs.append(Run(s.input, s.path, s.start, at, s.length, s.count, s.stride, pitch))
         offset += item.size
     return tuple(runs)
-
-
-def sub_spans(spans: Sequence[Span | Tile], start: int, end: int) -> list[Span | Tile]:
-    """The spans of elements [start, end) of `spans` laid end to end."""
-    return SpanIndex(spans).slice(start, end)
 
 
 def side_by_side(columns: Sequence[Sequence[tuple[int, list[Span]]]]) -> list[Span | Tile]:
@@ -152,7 +147,7 @@ def _cut(item: Span | Tile, a: int, b: int) -> list[Span | Tile]:
     out = _rows(spans, r0, 1, c0, width) if c0 else []
     if r1 > whole:
         out += _rows(spans, whole, r1 - whole, 0, width)
-    return out + (_rows(spans, r1, 1, 0, c1) if c1 else [])
+    return out + _rows(spans, r1, 1, 0, c1)
 
 
 def _rows(spans: Sequence[Span], row: int, count: int, a: int, b: int) -> list[Span | Tile]:
