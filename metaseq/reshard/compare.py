@@ -43,12 +43,12 @@ class TensorSet:
     optim_scalars: dict[OptimKey, Any]  # e.g. step, as a plain number
     optim_settings: dict[str, Any]  # param_groups without their "params" ids, loss_scale, ...
     note: str = ""  # why optimizer state cannot be compared, if so
-    scales: dict[OptimKey, list[float]] = field(default_factory=dict)  # per input: fp16 moment x scale = value
+    scales: dict[tuple, list[float]] = field(default_factory=dict)  # by path, per input: fp16 moment x scale = value
 
-    def read(self, tensor: OutTensor, key: Any = None) -> torch.Tensor:
+    def read(self, tensor: OutTensor) -> torch.Tensor:
         """The tensor; moments stored with a per-rank scale (--fp16-adam-stats) as their values."""
         out = to_torch(tensor_ref(tensor, self.inputs))
-        factors = self.scales.get(key)
+        factors = self.scales.get(tensor.path)
         if factors is None:
             return out
         flat = out.float().reshape(-1)
@@ -101,7 +101,7 @@ def _optim_extras(source: Source, names: Mapping[int, str], osd0: Mapping[str, A
             if entry.segments is None:
                 scalars[f"{name} of {names[g]}"] = _plain_scalar(entry.values[0])
             elif scale is not None and len(scale.values) == len(source.model.labels):
-                scales[f"{name} of {names[g]}"] = [v.value() if is_tensor(v) else float(v) for v in scale.values]
+                scales[(OPTIM, "state", g, name)] = [v.value() if is_tensor(v) else float(v) for v in scale.values]
     settings = {key: value for key, value in osd0.items() if key not in (*LAYOUT_KEYS, "param_groups")}
     settings["param_groups"] = [{k: v for k, v in group.items() if k != "params"} for group in osd0["param_groups"]]
     return scalars, to_torch(settings), scales
@@ -192,7 +192,7 @@ def _compare_tensors(a: TensorSet, b: TensorSet, which: str, result: Comparison,
             continue
         if x.dtype != y.dtype:
             dtypes.add((x.dtype, y.dtype))
-        detail = tensor_difference(a.read(x, key), b.read(y, key), atol=atol, exact_dtype=exact_dtype)
+        detail = tensor_difference(a.read(x), b.read(y), atol=atol, exact_dtype=exact_dtype)
         if detail is not None:
             result.differences.append(Difference(f"{prefix}{key}", detail))
         compared += 1
