@@ -66,7 +66,8 @@ def _write_and_verify(world: World, plans: Sequence[Plan], options: ReshardOptio
         dist_run.agree(world, lambda: written.extend(write_outputs(mine, num_workers=workers, progress=progress,
                                                                    crc32=options.verify)))
         if options.verify:  # on failure `verify_reshard_outputs` removes that part's outputs
-            dist_run.agree(world, lambda: [logger.info("%s", verify_reshard_outputs(p)) for p in shared])
+            for report in dist_run.agree(world, lambda: [verify_reshard_outputs(p) for p in shared]):
+                logger.info("%s", report)
     except BaseException as e:
         remove_outputs(written)
         if world.size > 1 and isinstance(e, ReshardError):  # raised by `agree` on every rank alike
