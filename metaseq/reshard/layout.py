@@ -21,7 +21,7 @@ from metaseq.reshard.schema import ShardMetadata, clean_key, is_tensor, join_key
 from metaseq.torchzip import DType, Size
 
 __all__ = ["MIRRORS", "Extra", "FlatParam", "ModelLayout", "ParamDict", "analyze_model", "global_params",
-           "output_metadata"]
+           "output_cuts", "output_metadata"]
 
 # extra_state dicts that hold state per flat parameter, laid out like `model` on every rank
 # (upstream metaseq's --store-ema): resharded with the model, not carried from rank 0.
@@ -88,6 +88,18 @@ def global_params(layout: ModelLayout) -> Iterator[tuple[int, int, int]]:
     """(global id, flat param index k, index j in its names): fairscale's unflattened ids."""
     pairs = ((k, j) for k, fp in enumerate(layout.flat_params) for j in range(len(fp.names)))
     return ((g, k, j) for g, (k, j) in enumerate(pairs))
+
+
+def output_cuts(layout: ModelLayout, unflatten: bool, world_size: int,
+                rank: int) -> list[tuple[int, int, str, int, int, Size]]:
+    """The output tensors an output rank makes of the flat parameters, as (state id, flat parameter k, model key,
+    start, end, shape): elements [start, end) of k. Unflattened, one per original parameter, with its name and shape
+    (state id: its global id); else rank `rank`'s FSDP shard of each k, padded (state id: k)."""
+    fps = layout.flat_params
+    if unflatten:
+        return [(g, k, fps[k].names[j], *fps[k].ranges()[j], fps[k].shapes[j]) for g, k, j in global_params(layout)]
+    ranges = [shard_range(fp.numel, world_size, rank) for fp in fps]
+    return [(k, k, fp.key, start, end, Size([padded])) for k, (fp, (start, end, padded)) in enumerate(zip(fps, ranges))]
 
 
 def analyze_model(shards: Sequence[Mapping[str, Any]], labels: Sequence[str], first: int = 0) -> ModelLayout:

@@ -16,13 +16,12 @@ from typing import Any, Callable, Mapping, Sequence
 
 from metaseq.errors import ReshardError
 from metaseq.reshard.layout import ModelLayout, global_params
-from metaseq.reshard.ranges import OutTensor, Span, plan_range, shard_range
+from metaseq.reshard.ranges import OutTensor, Span, plan_range
 from metaseq.reshard.schema import OPTIM, is_tensor
 from metaseq.torchzip import DType, Size, TensorRef
 
 __all__ = ["OptimLayout", "StateEntry", "analyze_optimizer", "assemble_consolidated_optimizer",
-           "assemble_flat_optimizer", "check_per_rank_state", "consolidated_optimizer_targets",
-           "flat_optimizer_targets"]
+           "assemble_flat_optimizer", "check_per_rank_state", "optimizer_targets"]
 
 LAYOUT_KEYS = ("state", "param_id_map", "uncollected_local_ids")
 
@@ -191,22 +190,11 @@ def _consolidated_entry(state: Mapping[int, Mapping[str, Any]], model: ModelLayo
     return StateEntry(name, segments=tuple(segments), dtype=first.dtype)
 
 
-def flat_optimizer_targets(optim: OptimLayout, model: ModelLayout, world_size: int, rank: int) -> list[OutTensor]:
-    """Each per-element state of rank `rank` of `world_size`, padded like its flat parameter."""
-    ranges = (shard_range(fp.numel, world_size, rank) for fp in model.flat_params)
-    return _targets(optim, [(k, k, start, end, Size([padded])) for k, (start, end, padded) in enumerate(ranges)])
-
-
-def consolidated_optimizer_targets(optim: OptimLayout, model: ModelLayout) -> list[OutTensor]:
-    """Each per-element state of each original parameter, with its original shape."""
-    fps = model.flat_params
-    return _targets(optim, [(g, k, *fps[k].ranges()[j], fps[k].shapes[j]) for g, k, j in global_params(model)])
-
-
-def _targets(optim: OptimLayout, pieces: Sequence[tuple[int, int, int, int, Size]]) -> list[OutTensor]:
-    """Per (state id, flat parameter k, start, end, shape): k's per-element states' elements [start, end)."""
+def optimizer_targets(optim: OptimLayout, cuts: Sequence[tuple[int, int, str, int, int, Size]]) -> list[OutTensor]:
+    """Per output tensor of `layout.output_cuts` (state id i, flat parameter k, key, start, end, shape): state i's
+    per-element states, elements [start, end) of k's."""
     return [OutTensor((OPTIM, "state", i, e.name), shape, e.dtype, plan_range(e.segments, start, end))
-            for i, k, start, end, shape in pieces for e in optim.entries.get(k, ()) if e.segments is not None]
+            for i, k, _, start, end, shape in cuts for e in optim.entries.get(k, ()) if e.segments is not None]
 
 
 def assemble_flat_optimizer(osd0: Mapping[str, Any], optim: OptimLayout, model: ModelLayout,

@@ -23,13 +23,12 @@ from typing import Any, Mapping, Sequence
 
 from metaseq.errors import ReshardError, UserError
 from metaseq.file_io import find_model_parts, find_shards, load_checkpoint
-from metaseq.reshard.layout import ModelLayout, ParamDict, analyze_model, output_metadata
+from metaseq.reshard.layout import ModelLayout, ParamDict, analyze_model, output_cuts, output_metadata
 from metaseq.reshard.optim import (OptimLayout, analyze_optimizer, assemble_consolidated_optimizer,
-                                   assemble_flat_optimizer, check_per_rank_state, consolidated_optimizer_targets,
-                                   flat_optimizer_targets)
+                                   assemble_flat_optimizer, check_per_rank_state, optimizer_targets)
 from metaseq.reshard.model_parallel import check_parts_fit, cut_model_parts, global_shapes
 from metaseq.reshard.options import ReshardOptions
-from metaseq.reshard.ranges import OutTensor, Run, plan_range, shard_range
+from metaseq.reshard.ranges import OutTensor, Run, plan_range
 from metaseq.reshard.schema import OPTIM, is_tensor
 from metaseq.torchzip import Copy, DType, NeedsTorch, Opaque, Size, TensorRef, from_torch, read_checkpoint
 
@@ -283,29 +282,13 @@ def analyze_inputs(structures: Sequence[Mapping[str, Any]], labels: Sequence[str
 def output_tensors(source: Source, options: ReshardOptions, rank: int) -> list[OutTensor]:
     """Every tensor of output shard `rank`: its shape, dtype and the input runs to copy."""
     model, targets = source.model, []
+    cuts = output_cuts(model, options.unflatten_weights, options.num_output_shards, rank)
     for held in model.dicts:  # the model, then its EMA copies: cut like it, never cast
         cast = options.dtype if held.root == ("model",) else None
-        targets += _flat_targets(model, held, options, rank, cast) + _extra_targets(held, cast)
-    if source.optim is not None and options.unflatten_weights:
-        targets += consolidated_optimizer_targets(source.optim, model)
-    elif source.optim is not None:
-        targets += flat_optimizer_targets(source.optim, model, options.num_output_shards, rank)
-    return targets
-
-
-def _flat_targets(model: ModelLayout, held: ParamDict, options: ReshardOptions, rank: int,
-                  cast: DType | None) -> list[OutTensor]:
-    """The flat parameters (or, unflattening, the original parameters) of `held`, floats cast to `cast`."""
-    targets, root = [], held.root
-    for k, fp in enumerate(model.flat_params):
-        dtype, sources = _cast(held.dtypes[k], cast), held.sources[k]
-        if options.unflatten_weights:
-            for name, shape, (start, end) in zip(fp.names, fp.shapes, fp.ranges()):
-                targets.append(OutTensor((*root, name), shape, dtype, plan_range(sources, start, end)))
-        else:
-            start, end, padded_len = shard_range(fp.numel, options.num_output_shards, rank)
-            targets.append(OutTensor((*root, fp.key), Size([padded_len]), dtype, plan_range(sources, start, end)))
-    return targets
+        targets += [OutTensor((*held.root, key), shape, _cast(held.dtypes[k], cast), plan_range(held.sources[k], a, b))
+                    for _, k, key, a, b, shape in cuts]
+        targets += _extra_targets(held, cast)
+    return targets + (optimizer_targets(source.optim, cuts) if source.optim is not None else [])
 
 
 def _extra_targets(held: ParamDict, cast: DType | None) -> list[OutTensor]:
@@ -423,8 +406,8 @@ def _cfg_for_parts(cfg: Mapping[str, Any], options: ReshardOptions, part: int) -
 def _paddings(model: ModelLayout, options: ReshardOptions, rank: int) -> list[int]:
     if options.unflatten_weights:
         return [0] * len(model.flat_params)
-    ranges = (shard_range(fp.numel, options.num_output_shards, rank) for fp in model.flat_params)
-    return [padded_len - (end - start) for start, end, padded_len in ranges]
+    cuts = output_cuts(model, False, options.num_output_shards, rank)
+    return [shape.numel() - (end - start) for *_, start, end, shape in cuts]
 
 
 def summarize_plan(plan: Plan) -> str:
