@@ -9,7 +9,7 @@ import torch
 from fairscale.nn.data_parallel import FullyShardedDataParallel
 from fairscale.nn.data_parallel.fsdp_optim_utils import flatten_optim_state_dict
 
-from metaseq.reshard import ReshardError, ReshardOptions, consolidate_shards, reshard_shards
+from metaseq.reshard import ReshardError, ReshardOptions, reshard_shards
 from metaseq.reshard.plan import InputFile, plan_structures
 from metaseq.reshard.ranges import Span, plan_range, shard_range
 from metaseq.torchzip import from_torch
@@ -17,6 +17,11 @@ from synthetic import INSTANCES, LOSS_SCALE, STEP, assert_tree_equal, join, make
 
 WORLD_SIZES = [(1, 1), (1, 4), (4, 1), (2, 3), (3, 2), (4, 8), (8, 4), (5, 7)]
 RANK_SPECIFIC = ("cfg", "extra_state")  # outputs take rank 0's
+
+
+def consolidate(shards: list[dict], *, skip_optimizer_state: bool = True) -> dict:
+    """All shards as one unflattened checkpoint (as `--unflatten-weights` writes it)."""
+    return reshard_shards(shards, unflatten_weights=True, skip_optimizer_state=skip_optimizer_state)[0]
 
 
 def _without_rank_specific(shard: dict) -> dict:
@@ -119,14 +124,14 @@ def test_buffers_are_copied_from_rank_zero() -> None:
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 8])
 def test_unflatten_restores_original_params_and_buffers(n: int) -> None:
     model = make_model(seed=3)
-    out = consolidate_shards(make_shards(model, n))
+    out = consolidate(make_shards(model, n))
     assert_tree_equal(out["model"], model.state_dict())
     assert "last_optimizer_state" not in out  # skipped by default
 
 
 def test_unflatten_restores_tied_weights() -> None:
     model = make_model()
-    out = consolidate_shards(make_shards(model, 3))["model"]
+    out = consolidate(make_shards(model, 3))["model"]
     # root tie and a tie inside the nested "decoder.layers.0" instance, prefixed with its path
     assert torch.equal(out["decoder.output_projection.weight"], model.params["decoder.embed_tokens.weight"])
     assert torch.equal(out["decoder.layers.0.fc_tied.weight"], model.params["decoder.layers.0.fc1.weight"])
@@ -134,7 +139,7 @@ def test_unflatten_restores_tied_weights() -> None:
 
 
 def test_unflatten_keeps_metadata_with_zero_padding() -> None:
-    out = consolidate_shards(make_shards(make_model(), 3))
+    out = consolidate(make_shards(make_model(), 3))
     for inst in out["shard_metadata"]["param_metadata"]:
         assert inst["params"]["flat_param_0"]["padding"] == 0
 
@@ -142,7 +147,7 @@ def test_unflatten_keeps_metadata_with_zero_padding() -> None:
 @pytest.mark.parametrize("n, m", WORLD_SIZES)
 def test_reflattening_unflattened_output_equals_direct_reshard(n: int, m: int) -> None:
     shards = make_shards(make_model(seed=4), n)
-    unflat = consolidate_shards(shards, skip_optimizer_state=False)
+    unflat = consolidate(shards, skip_optimizer_state=False)
     via_unflat = reshard_shards([unflat], num_output_shards=m)
     direct = reshard_shards(shards, num_output_shards=m)
     for got, want in zip(via_unflat, direct):
@@ -153,21 +158,21 @@ def test_reflattening_unflattened_output_equals_direct_reshard(n: int, m: int) -
 
 def test_unflatten_then_reflatten_round_trips_model() -> None:
     shards = make_shards(make_model(seed=5), 4)
-    back = reshard_shards([consolidate_shards(shards)], num_output_shards=4)
+    back = reshard_shards([consolidate(shards)], num_output_shards=4)
     for got, want in zip(back, shards):
         assert_tree_equal(got["model"], want["model"])
         assert_tree_equal(got["shard_metadata"], want["shard_metadata"])
 
 
 def test_consolidating_a_consolidated_file_changes_nothing() -> None:
-    once = consolidate_shards(make_shards(make_model(), 3, step="tensor"), skip_optimizer_state=False)
-    twice = consolidate_shards([once], skip_optimizer_state=False)
+    once = consolidate(make_shards(make_model(), 3, step="tensor"), skip_optimizer_state=False)
+    twice = consolidate([once], skip_optimizer_state=False)
     assert_tree_equal(twice, once)
 
 
 def test_consolidated_optimizer_state_has_fairscale_layout() -> None:
     model = make_model(seed=6)
-    osd = consolidate_shards(make_shards(model, 3, step="tensor"), skip_optimizer_state=False)["last_optimizer_state"]
+    osd = consolidate(make_shards(model, 3, step="tensor"), skip_optimizer_state=False)["last_optimizer_state"]
     names = [join(path, name) for path, specs, _ in INSTANCES for name, _ in specs]
     assert list(osd["state"]) == list(range(len(names)))
     for g, name in enumerate(names):
@@ -188,7 +193,7 @@ def _ids(specs: tuple, k: int) -> range:
 def test_consolidated_optimizer_state_loads_through_fairscale(world_size: int) -> None:
     """What FSDP.get_shard_from_optim_state_dict does: flatten_optim_state_dict, then _get_shard."""
     model = make_model(seed=7)
-    osd = consolidate_shards(make_shards(model, 3), skip_optimizer_state=False)["last_optimizer_state"]
+    osd = consolidate(make_shards(model, 3), skip_optimizer_state=False)["last_optimizer_state"]
     for rank, want in enumerate(make_shards(model, world_size)):
         flat = flatten_optim_state_dict(copy.deepcopy(osd))
         fake_fsdp = types.SimpleNamespace(world_size=world_size, rank=rank)
@@ -261,7 +266,7 @@ def test_metadata_without_optional_keys_is_accepted() -> None:
     shards = make_shards(model, 3, legacy_metadata=True)
     outs = reshard_shards(shards, num_output_shards=2)
     assert_tree_equal(outs[0]["model"], make_shards(model, 2)[0]["model"])
-    unflat = consolidate_shards(shards)["model"]
+    unflat = consolidate(shards)["model"]
     assert "decoder.output_projection.weight" not in unflat  # no tie information in old files
 
 
@@ -269,14 +274,14 @@ def test_inputs_are_not_modified() -> None:
     shards = make_shards(make_model(), 3)
     before = copy.deepcopy(shards)
     reshard_shards(shards, num_output_shards=2, output_dtype="fp16", drop_metaseq_req=True)
-    consolidate_shards(shards, skip_optimizer_state=False)
+    consolidate(shards, skip_optimizer_state=False)
     for got, want in zip(shards, before):
         assert_tree_equal(got, want)
 
 
 def test_outputs_own_compact_storages() -> None:
     shards = make_shards(make_model(), 3)
-    for out in reshard_shards(shards, num_output_shards=2) + [consolidate_shards(shards, skip_optimizer_state=False)]:
+    for out in reshard_shards(shards, num_output_shards=2) + [consolidate(shards, skip_optimizer_state=False)]:
         tensors = list(out["model"].values()) + [
             v for s in out["last_optimizer_state"]["state"].values() for v in s.values() if torch.is_tensor(v)
         ]
@@ -355,8 +360,8 @@ def test_unflatten_with_several_param_groups_needs_skipped_optimizer_state() -> 
         groups.append({**groups[0], "params": [2]})
         groups[0]["params"] = [0, 1]
     with pytest.raises(ReshardError, match="2 param groups.*pass --skip-optimizer-state"):
-        consolidate_shards(shards, skip_optimizer_state=False)
-    assert "decoder.layers.1.scale" in consolidate_shards(shards)["model"]
+        consolidate(shards, skip_optimizer_state=False)
+    assert "decoder.layers.1.scale" in consolidate(shards)["model"]
     outs = reshard_shards(shards, num_output_shards=3)  # flat outputs carry the groups as they are
     assert [g["params"] for g in outs[0]["last_optimizer_state"]["param_groups"]] == [[0, 1], [2]]
 
@@ -364,4 +369,4 @@ def test_unflatten_with_several_param_groups_needs_skipped_optimizer_state() -> 
 def test_unflattened_file_among_shards_is_rejected() -> None:
     shards = make_shards(make_model(), 2)
     with pytest.raises(ReshardError, match="looks unflattened"):
-        reshard_shards([consolidate_shards(shards), shards[1]])
+        reshard_shards([consolidate(shards), shards[1]])

@@ -8,7 +8,7 @@
 from metaseq.errors import ReshardError
 from metaseq.reshard.options import ReshardOptions
 from metaseq.reshard.plan import Plan, describe_plan, plan_reshard
-from metaseq.reshard.run import consolidate_shards, reshard, reshard_fsdp_checkpoints, reshard_shards
+from metaseq.reshard.run import reshard, reshard_fsdp_checkpoints, reshard_shards
 
-__all__ = ["Plan", "ReshardError", "ReshardOptions", "consolidate_shards", "describe_plan", "plan_reshard", "reshard",
+__all__ = ["Plan", "ReshardError", "ReshardOptions", "describe_plan", "plan_reshard", "reshard",
            "reshard_fsdp_checkpoints", "reshard_shards"]

@@ -7,8 +7,8 @@
 Under torchrun or srun (`world`), every rank plans (reading the inputs' pickles), then
 writes the outputs whose index % world size is its rank; every phase ends with the
 ranks agreeing that it succeeded, so a failure anywhere fails every rank alike and
-removes what was written. `reshard_shards` and `consolidate_shards` do the same
-planning on checkpoint dicts already in memory, for loaders that hold them.
+removes what was written. `reshard_shards` does the same planning on checkpoint
+dicts already in memory, for loaders that hold them.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from metaseq.reshard.progress import make_progress
 from metaseq.reshard.write import available_cpus, list_jobs, remove_outputs, write_outputs
 from metaseq.torchzip import from_torch, to_torch
 
-__all__ = ["consolidate_shards", "reshard", "reshard_fsdp_checkpoints", "reshard_shards"]
+__all__ = ["reshard", "reshard_fsdp_checkpoints", "reshard_shards"]
 
 logger = logging.getLogger(__name__)
 
@@ -103,12 +103,3 @@ def reshard_shards(shard_dicts: Sequence[Mapping[str, Any]], **options: Any) -> 
     plan = plan_structures(inputs, opts, names)
     return [to_torch(assemble_output(plan, out)) for out in plan.outputs]
 
-
-def consolidate_shards(shard_dicts: Sequence[Mapping[str, Any]], *, unflatten: bool = True,
-                       skip_optimizer_state: bool = True) -> dict[str, Any]:
-    """One consolidated checkpoint dict from all shards of one model part (ordered by rank).
-
-    With `unflatten`, `model` holds original parameter names and shapes (tied
-    parameters included, sharing one tensor) plus buffers, ready for a non-FSDP model.
-    """
-    return reshard_shards(shard_dicts, unflatten_weights=unflatten, skip_optimizer_state=skip_optimizer_state)[0]
