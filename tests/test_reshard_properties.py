@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from metaseq.file_io import load_checkpoint
-from metaseq.reshard import consolidate_shards, reshard_fsdp_checkpoints, reshard_shards
+from metaseq.reshard import reshard_fsdp_checkpoints, reshard_shards
 from synthetic import Instances, SyntheticModel, assert_tree_equal, join, make_model, make_shards, write_shards
 
 SETTINGS = settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -81,7 +81,7 @@ def test_n_to_m_equals_fairscale_sharding_and_back_to_n_is_exact(model, n: int, 
 @given(model=models(), n=WORLD, m=WORLD)
 def test_n_to_one_unflattened_to_m_equals_n_to_m(model, n: int, m: int) -> None:
     shards = make_shards(model, n)
-    unflat = consolidate_shards(shards, skip_optimizer_state=False)
+    unflat = reshard_shards(shards, unflatten_weights=True)[0]
     assert_tree_equal(unflat["model"], model.state_dict(), "unflattened model")  # ties and buffers included
     _assert_same_shards(reshard_shards([unflat], num_output_shards=m), reshard_shards(shards, num_output_shards=m))
 
@@ -96,7 +96,7 @@ def test_optimizer_moments_stay_aligned_with_their_parameters(model, n: int, m: 
             param = out["model"][key].float()
             assert torch.equal(state[k]["exp_avg"], param * 2), f"{key}: exp_avg misaligned"
             assert torch.equal(state[k]["exp_avg_sq"], param**2), f"{key}: exp_avg_sq misaligned"
-    unflat = consolidate_shards(make_shards(model, n), skip_optimizer_state=False)
+    unflat = reshard_shards(make_shards(model, n), unflatten_weights=True)[0]
     names = [join(path, name) for path, specs, _ in model.instances for name, _ in specs]
     state = unflat["last_optimizer_state"]["state"]
     for g, name in enumerate(names):
@@ -129,7 +129,7 @@ def test_zero_dim_parameter_keeps_its_moments_through_consolidation() -> None:
     # it must still be resharded per element, not carried as a scalar
     model = make_model(instances=(("", (("scale", ()), ("bias", (2,))), ()), ("decoder.layers.0", (("gain", ()),), ())))
     shards = make_shards(model, 3, step="tensor")
-    unflat = consolidate_shards(shards, skip_optimizer_state=False)
+    unflat = reshard_shards(shards, unflatten_weights=True)[0]
     assert unflat["last_optimizer_state"]["state"][2]["exp_avg"].shape == torch.Size([])
     back = reshard_shards([unflat], num_output_shards=3)
     for got, want in zip(back, shards):
