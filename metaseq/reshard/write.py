@@ -59,7 +59,6 @@ def write_outputs(jobs: Sequence[Job], *, num_workers: int = 1, progress: Progre
     progress = progress or Progress(sum(j.out.nbytes for j in jobs), len(jobs))
     paths = [j.out.path for j in jobs]
     before = _file_ids(paths)
-    written: list[str] = []
     lock = threading.Lock()
 
     def run(job: Job) -> None:
@@ -69,7 +68,6 @@ def write_outputs(jobs: Sequence[Job], *, num_workers: int = 1, progress: Progre
 
         size = _write_one(job, crc32, report)
         with lock:
-            written.append(job.out.path)
             progress.finish(job.index, job.out.nbytes, job.out.path, size)
 
     try:
@@ -92,7 +90,7 @@ def write_outputs(jobs: Sequence[Job], *, num_workers: int = 1, progress: Progre
         raise
     finally:
         progress.close()
-    return written
+    return paths
 
 
 def _write_one(job: Job, crc32: bool, report: object) -> int:
