@@ -102,4 +102,3 @@ def reshard_shards(shard_dicts: Sequence[Mapping[str, Any]], **options: Any) -> 
     names = [f"output {r}" for r in range(opts.num_output_shards)]
     plan = plan_structures(inputs, opts, names)
     return [to_torch(assemble_output(plan, out)) for out in plan.outputs]
-
