@@ -29,7 +29,8 @@ class Progress:
         assert mode in MODES, mode
         self.total, self.num_files, self.mode, self.label = total_bytes, num_files, mode, label
         self.done = self.files = 0
-        self.credited: dict[int, int | None] = {}  # job -> bytes reported so far; None once finished
+        self.credited: dict[int, int] = {}  # job -> bytes reported so far
+        self.finished: set[int] = set()
         self.start = time.monotonic()
         self.bar = None
         if mode == "bar":
@@ -39,15 +40,15 @@ class Progress:
                             dynamic_ncols=True, smoothing=0.1, mininterval=0.2)
 
     def advance(self, job: int, nbytes: int) -> None:
-        if self.credited.get(job, 0) is not None:
+        if job not in self.finished:
             self.credited[job] = self.credited.get(job, 0) + nbytes
             self._add(nbytes)
 
     def finish(self, job: int, job_bytes: int, path: str, file_bytes: int) -> None:
-        if self.credited.get(job, 0) is None:
+        if job in self.finished:
             return
-        self._add(job_bytes - self.credited.get(job, 0))
-        self.credited[job] = None
+        self.finished.add(job)
+        self._add(job_bytes - self.credited.pop(job, 0))
         self.files += 1
         if self.bar is not None:
             self.bar.set_postfix_str(f"{self.files}/{self.num_files} files", refresh=False)

@@ -84,9 +84,10 @@ def write_outputs(jobs: Sequence[Job], *, num_workers: int = 1, progress: Progre
                     pool.shutdown(cancel_futures=True)  # the running copies finish; their files are removed below
                     raise
     except BaseException:
-        # Also outputs renamed into place just before the error, not yet in `written`.
+        # Every output this call renamed into place (a file it did not find there), also one renamed just before
+        # the error; a path left as it was keeps its old file.
         now = _file_ids(paths)
-        remove_outputs([p for p in paths if now.get(p, before.get(p)) != before.get(p)], paths)
+        remove_outputs([p for p in paths if p in now and now[p] != before.get(p)], paths)
         raise
     finally:
         progress.close()
