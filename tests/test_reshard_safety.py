@@ -23,6 +23,8 @@ import pytest
 import torch
 
 from metaseq.file_io import atomic_torch_save, load_checkpoint
+from metaseq.reshard import ReshardError, ReshardOptions, reshard
+from metaseq.reshard.verify import verify_reshard_outputs
 from metaseq.scripts.reshard_fsdp import main
 from synthetic import assert_tree_equal, make_model, make_shards, write_shards
 
@@ -209,6 +211,19 @@ def test_verify_reports_what_it_checked(shard_dir: Path, tmp_path: Path, capsys,
     err = capsys.readouterr().err
     assert "inputs match their CRC32 checksums (4 file(s)" in err
     assert report in err
+
+
+def test_verify_names_what_of_the_outputs_metadata_differs_from_the_plan(shard_dir: Path, tmp_path: Path) -> None:
+    """An output replaced after writing (flat, without optimizer state, where the plan wrote it unflattened with
+    it) is refused by name and removed."""
+    out, pattern = tmp_path / "out" / "whole.pt", str(shard_dir / SHARD.format("*"))
+    (plan,) = reshard(ReshardOptions(input_glob_pattern=pattern, output_shard_name=str(out), unflatten_weights=True,
+                                     quiet=True))
+    reshard(ReshardOptions(input_glob_pattern=pattern, output_shard_name=str(out), skip_optimizer_state=True,
+                           overwrite=True, quiet=True))
+    with pytest.raises(ReshardError, match=f"{re.escape(str(out))}: its form and optimizer state differ from the plan"):
+        verify_reshard_outputs(plan)
+    assert not out.exists()
 
 
 def _tensor_record_span(data: bytes, record: str) -> tuple[int, int]:

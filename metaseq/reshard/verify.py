@@ -68,11 +68,12 @@ def _verify_part(plan: Plan, part: int) -> Counter:
     planned, paths = outs[0].source or plan.source, [out.path for out in outs]
     files = read_inputs(paths, trust=opts.trust_checkpoint)
     found = analyze_inputs([f.structure for f in files], paths, ReshardOptions())
-    ours, theirs = (([(fp.key, fp.names, fp.shapes) for fp in source.model.flat_params], source.model.ties,
-                     source.optim is None) for source in (found, planned))
+    ours, theirs = ((form, [(fp.key, fp.names, fp.shapes) for fp in s.model.flat_params], s.model.ties, s.optim is None)
+                    for form, s in ((found.model.unflattened, found), (opts.unflatten_weights, planned)))
+    differ = [k for k, a, b in zip(("form", "flat parameters", "ties", "optimizer state"), ours, theirs) if a != b]
+    if differ:
+        raise ReshardError(f"{paths[0]}: its {' and '.join(differ)} differ from the plan")
     out = found.model
-    if out.unflattened != opts.unflatten_weights or ours != theirs:
-        raise ReshardError(f"{paths[0]}: its form, flat parameters, ties or optimizer state differ from the plan")
     for k, fp in enumerate(out.flat_params if not opts.unflatten_weights else ()):  # FSDP's padding, rank by rank
         for rank, (path, padded, kept) in enumerate(zip(paths, out.padded_lengths[k], out.kept_lengths[k])):
             start, end, padded_len = shard_range(fp.numel, opts.num_output_shards, rank)
