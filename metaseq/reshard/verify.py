@@ -70,7 +70,8 @@ def _verify_part(plan: Plan, part: int) -> Counter:
     found = analyze_inputs([f.structure for f in files], paths, ReshardOptions())
     ours, theirs = ((form, [(fp.key, fp.names, fp.shapes) for fp in s.model.flat_params], s.model.ties, s.optim is None)
                     for form, s in ((found.model.unflattened, found), (opts.unflatten_weights, planned)))
-    differ = [k for k, a, b in zip(("form", "flat parameters", "ties", "optimizer state"), ours, theirs) if a != b]
+    facts = ("form", "flat parameters", "ties", "optimizer state")
+    differ = [what for what, a, b in zip(facts, ours, theirs) if a != b]
     if differ:
         raise ReshardError(f"{paths[0]}: its {' and '.join(differ)} differ from the plan")
     out = found.model
