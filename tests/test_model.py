@@ -35,7 +35,9 @@ def test_pre_opt_exact_checkpoint_gives_the_logits_it_gave_before():
     assert model.decoder.embed_positions.weight.shape == (9, 6)
     with torch.no_grad():
         logits = model(ckpt["tokens"])
-    torch.testing.assert_close(logits, ckpt["logits"], rtol=0, atol=0)
+    # The stored logits came from another CPU, whose matmul kernels sum in another order (about 1e-7 apart);
+    # the other variant (no scale, offset positions) is about 0.3 off.
+    torch.testing.assert_close(logits, ckpt["logits"], rtol=0, atol=1e-6)
 
 
 def test_pre_opt_exact_model_scales_embeddings_and_has_no_offset():
