@@ -77,10 +77,8 @@ class Plan:
 
 
 def plan_reshard(options: ReshardOptions) -> list[Plan]:
-    """One plan per model part (`{j}` in both names, else one); raises before anything is written.
-
-    With `num_output_parts`, one plan from every part's inputs to Q x M outputs.
-    """
+    """One plan per model part (`{j}` in both names, else one; with `num_output_parts`, one plan from every part's
+    inputs to Q x M outputs); raises before anything is written."""
     if options.num_output_parts is not None:
         return [plan_model_parallel(options)]
     plans = []
@@ -117,21 +115,16 @@ def plan_model_parallel(options: ReshardOptions) -> Plan:
             f"model_part-{len(groups)} is missing: cfg['common']['model_parallel_size'] of {groups[0][0]} says the "
             f"model has {declared} parts but --input-glob-pattern matches {len(groups)}"
         )
-    parts, first = [], 0
-    for group in groups:
-        parts.append(analyze_inputs(structures[first : first + len(group)], group, options, first))
-        first += len(group)
-    num_parts, num_shards = options.num_output_parts, options.num_output_shards
-    heads = _cfg_field(structures[0], "model", "decoder_attention_heads")
-    shapes = global_shapes([p.model for p in parts])
-    check_parts_fit(shapes, num_parts, heads)
-    names = _part_names(options, num_parts, paths)
+    n = len(groups[0])  # files per part: every part has as many
+    parts = [analyze_inputs(structures[q * n : (q + 1) * n], group, options, q * n) for q, group in enumerate(groups)]
+    models, optims, num_parts = [p.model for p in parts], [p.optim for p in parts], options.num_output_parts
+    shapes = global_shapes(models)
+    check_parts_fit(shapes, num_parts, _cfg_field(structures[0], "model", "decoder_attention_heads"))
     files = []
-    for q in range(num_parts):
-        source = Source(*cut_model_parts([p.model for p in parts], [p.optim for p in parts], shapes, num_parts, q,
-                                         structures))
-        files += [OutFile(names[q][m], m, tuple(output_tensors(source, options, m)), q, source)
-                  for m in range(num_shards)]
+    for q, names in enumerate(_part_names(options, num_parts, paths)):
+        source = Source(*cut_model_parts(models, optims, shapes, num_parts, q, structures))
+        files += [OutFile(name, m, tuple(output_tensors(source, options, m)), q, source)
+                  for m, name in enumerate(names)]
     return _checked(Plan(options, tuple(inputs), files[0].source, tuple(files)))
 
 
@@ -166,23 +159,20 @@ def expand_model_parts(input_glob_pattern: str, output_shard_name: str) -> list[
     if not in_has and not out_has:
         return [(input_glob_pattern, output_shard_name)]
     if in_has != out_has:
-        has, lacks = ("--output-shard-name", "--input-glob-pattern") if out_has else (
-            "--input-glob-pattern", "--output-shard-name")
+        flags = ("--input-glob-pattern", "--output-shard-name")
+        has, lacks = flags[::-1] if out_has else flags
         raise ReshardError(
             f"{has} has '{PART}' but {lacks} has not; put '{PART}' (the model part number) in both, e.g. "
             "'ckpts/checkpoint_last-model_part-{j}-shard*.pt' and 'out/reshard-model_part-{j}.pt'"
         )
-    found = set()
-    for path in glob.glob(input_glob_pattern.replace(PART, "*")):
-        for digits in set(re.findall(r"\d+", path)):
-            if fnmatch.fnmatchcase(path, input_glob_pattern.replace(PART, digits)):
-                found.add(digits)
+    paths = glob.glob(input_glob_pattern.replace(PART, "*"))
+    found = {digits for path in paths for digits in set(re.findall(r"\d+", path))
+             if fnmatch.fnmatchcase(path, input_glob_pattern.replace(PART, digits))}
     if not found:
         raise ReshardError(
             f"--input-glob-pattern {input_glob_pattern!r} matches no files (with '{PART}' as a model part number)"
         )
-    parts = sorted(found, key=int)
-    return [(input_glob_pattern.replace(PART, j), output_shard_name.replace(PART, j)) for j in parts]
+    return [(input_glob_pattern.replace(PART, j), output_shard_name.replace(PART, j)) for j in sorted(found, key=int)]
 
 
 def output_paths(output_shard_name: str, num_output_shards: int, inputs: Sequence[str], *, overwrite: bool) -> list[str]:
@@ -287,14 +277,9 @@ def output_tensors(source: Source, options: ReshardOptions, rank: int) -> list[O
         cast = options.dtype if held.root == ("model",) else None
         targets += [OutTensor((*held.root, key), shape, _cast(held.dtypes[k], cast), plan_range(held.sources[k], a, b))
                     for _, k, key, a, b, shape in cuts]
-        targets += _extra_targets(held, cast)
+        targets += [whole_tensor((*held.root, e.key), (*held.root, e.actual_key), e.shape, e.dtype, cast)
+                    for e in held.extras if e.shape is not None]  # buffers: copied (compact) from input 0
     return targets + (optimizer_targets(source.optim, cuts) if source.optim is not None else [])
-
-
-def _extra_targets(held: ParamDict, cast: DType | None) -> list[OutTensor]:
-    """Tensors other than flat parameters (buffers): copied (compact) from input 0."""
-    return [whole_tensor((*held.root, e.key), (*held.root, e.actual_key), e.shape, e.dtype, cast)
-            for e in held.extras if e.shape is not None]
 
 
 def whole_tensor(path: tuple, source: tuple, shape: Size, dtype: DType, cast: DType | None = None) -> OutTensor:
@@ -332,8 +317,9 @@ def assemble_output(plan: Plan, out: OutFile) -> dict[str, Any]:
     for key, value in plan.inputs[0].structure.items():
         if key == "model":
             result[key] = _assemble_dict(source.model, source.model.dicts[0], options, value, tensors)
-        elif key == "shard_metadata":
-            result[key] = output_metadata(source.model, _paddings(source.model, options, out.rank))
+        elif key == "shard_metadata":  # unflattened: one shard, no padding
+            cuts = output_cuts(source.model, False, options.num_output_shards, out.rank)
+            result[key] = output_metadata(source.model, [s.numel() - (end - start) for *_, start, end, s in cuts])
         elif key == OPTIM and options.skip_optimizer_state:
             continue
         elif key == OPTIM and source.optim is not None and options.unflatten_weights:
@@ -384,9 +370,9 @@ def _only_on_rank_zero(extra: dict[str, Any], inputs: Sequence[InputFile]) -> di
     ranks) stays on output 0 alone, rather than being copied into every output."""
     iterator = extra.get("train_iterator")
     others = [i.structure.get("extra_state") for i in inputs[1:]]
-    if not isinstance(iterator, Mapping) or not others or not all(isinstance(o, Mapping) for o in others):
+    theirs = [o.get("train_iterator") if isinstance(o, Mapping) else None for o in others]
+    if not isinstance(iterator, Mapping) or not theirs or not all(isinstance(t, Mapping) for t in theirs):
         return extra
-    theirs = [o.get("train_iterator") if isinstance(o.get("train_iterator"), Mapping) else {} for o in others]
     alone = [k for k, v in iterator.items() if v is not None and all(k in t and t[k] is None for t in theirs)]
     return {**extra, "train_iterator": {**iterator, **dict.fromkeys(alone)}} if alone else extra
 
@@ -401,13 +387,6 @@ def _cfg_for_parts(cfg: Mapping[str, Any], options: ReshardOptions, part: int) -
         if isinstance(out.get(section), Mapping) and (field in out[section] or section == "common"):
             out[section] = {**out[section], field: value}
     return out
-
-
-def _paddings(model: ModelLayout, options: ReshardOptions, rank: int) -> list[int]:
-    if options.unflatten_weights:
-        return [0] * len(model.flat_params)
-    cuts = output_cuts(model, False, options.num_output_shards, rank)
-    return [shape.numel() - (end - start) for *_, start, end, shape in cuts]
 
 
 def summarize_plan(plan: Plan) -> str:
@@ -430,12 +409,12 @@ def describe_plan(plan: Plan) -> list[str]:
     for out in plan.outputs:
         name = f"part {out.part} shard {out.rank}" if plan.options.num_output_parts is not None else out.rank
         lines.append(f"output {name}: {out.path} ({out.nbytes} bytes of tensors)")
-        lines += [f"  reads {plan.inputs[r].path}: {text}" for r, text in _reads(out.tensors).items()]
+        lines += _reads(plan.inputs, out.tensors)
     return lines
 
 
-def _reads(tensors: Sequence[OutTensor], limit: int = 4) -> dict[int, str]:
-    """Per input: the model tensors and [start, end) element ranges read from them."""
+def _reads(inputs: Sequence[InputFile], tensors: Sequence[OutTensor], limit: int = 4) -> list[str]:
+    """A line per input read: the model tensors and [start, end) element ranges read from it."""
     spans: dict[int, dict[str, list[int]]] = {}
     for t in tensors:
         for r in t.runs:
@@ -444,9 +423,9 @@ def _reads(tensors: Sequence[OutTensor], limit: int = 4) -> dict[int, str]:
             last = r.start + (r.count - 1) * r.stride + r.length
             span = spans.setdefault(r.input, {}).setdefault(r.path[-1], [r.start, last])
             span[0], span[1] = min(span[0], r.start), max(span[1], last)
-    out = {}
+    lines = []
     for index in sorted(spans):
         items = [f"{key}[{lo}:{hi})" for key, (lo, hi) in spans[index].items()]
         more = f" (+{len(items) - limit} more)" if len(items) > limit else ""
-        out[index] = ", ".join(items[:limit]) + more
-    return out
+        lines.append(f"  reads {inputs[index].path}: {', '.join(items[:limit])}{more}")
+    return lines
