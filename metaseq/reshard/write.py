@@ -29,15 +29,13 @@ __all__ = ["Job", "available_cpus", "list_jobs", "remove_outputs", "write_output
 class Job(NamedTuple):
     """One output file of a run."""
 
-    index: int  # position in the run's job list; under torchrun, rank index % world writes it
     plan: Plan
     out: OutFile
 
 
 def list_jobs(plans: Sequence[Plan]) -> list[Job]:
-    """Every output of every plan, part by part, in shard order."""
-    outs = [(plan, out) for plan in plans for out in plan.outputs]
-    return [Job(i, plan, out) for i, (plan, out) in enumerate(outs)]
+    """Every output of every plan, part by part, in shard order; under torchrun, rank r writes jobs r, r + world, ..."""
+    return [Job(plan, out) for plan in plans for out in plan.outputs]
 
 
 def available_cpus(processes_per_node: int = 1) -> int:
@@ -61,22 +59,22 @@ def write_outputs(jobs: Sequence[Job], *, num_workers: int = 1, progress: Progre
     before = _file_ids(paths)
     lock = threading.Lock()
 
-    def run(job: Job) -> None:
+    def run(index: int, job: Job) -> None:  # `index`: the job's key in `progress`
         def report(nbytes: int) -> None:
             with lock:
-                progress.advance(job.index, nbytes)
+                progress.advance(index, nbytes)
 
         size = _write_one(job, crc32, report)
         with lock:
-            progress.finish(job.index, job.out.nbytes, job.out.path, size)
+            progress.finish(index, job.out.nbytes, job.out.path, size)
 
     try:
         if num_workers <= 1 or len(jobs) <= 1:
-            for job in jobs:
-                run(job)
+            for index, job in enumerate(jobs):
+                run(index, job)
         else:
             with ThreadPoolExecutor(min(num_workers, len(jobs)), thread_name_prefix="reshard-writer") as pool:
-                futures = [pool.submit(run, job) for job in jobs]
+                futures = [pool.submit(run, index, job) for index, job in enumerate(jobs)]
                 try:
                     for future in as_completed(futures):
                         future.result()
@@ -96,9 +94,7 @@ def write_outputs(jobs: Sequence[Job], *, num_workers: int = 1, progress: Progre
 
 def _write_one(job: Job, crc32: bool, report: object) -> int:
     """Write one output atomically; returns its size."""
-    for item in job.plan.inputs:
-        if item.size < 0:  # given in memory
-            continue
+    for item in [i for i in job.plan.inputs if i.size >= 0]:  # -1: given in memory
         stat = os.stat(item.path)
         if (stat.st_size, stat.st_mtime_ns) != (item.size, item.mtime_ns):
             raise ReshardError(f"{item.path} changed while resharding (size or time differ from planning); rerun")
