@@ -5,8 +5,7 @@ The command line fills it by field name (flag `--num-output-shards` is field
 """
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
 from metaseq.errors import ReshardError
@@ -59,5 +58,4 @@ class ReshardOptions:
     @classmethod
     def from_fields(cls, values: Mapping[str, Any]) -> ReshardOptions:
         """The options among `values` (e.g. `vars(args)`), by field name; other keys are ignored."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in values.items() if k in names})
+        return cls(**{f.name: values[f.name] for f in fields(cls) if f.name in values})
