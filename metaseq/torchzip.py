@@ -7,16 +7,13 @@ Resharding never computes on tensor values: it moves byte ranges, and importing 
 alone takes about as long as copying a 2 GB checkpoint. So each input's pickle is read
 by a restricted unpickler and each output is written as torch.save writes it: the same
 protocol-2 pickle in `archive/data.pkl`, one stored zip record per storage, record data
-aligned to 64 bytes (what `torch.load(mmap=True)` expects), zip64 where sizes need it,
-CRC32s on the small records (and on all of them with `crc32=True`).
+aligned to 64 bytes (what `torch.load(mmap=True)` expects), zip64 where sizes need it.
 
 The unpickler resolves only the format's own globals (tensor rebuilding, storage types,
-`torch.Size`, dtypes, `OrderedDict`). Any other (a `Namespace`, a class of a package this
-one lacks) is never imported or called: the object becomes an `Opaque` record of how the
-pickle built it, which the writer pickles back the same way (so a loader that has the
-class gets an equal object). What this reader cannot take (torch's legacy format,
-big-endian data) raises `NeedsTorch`: the caller loads it with torch and turns it into
-the same form (`from_torch`).
+`torch.Size`, dtypes, `OrderedDict`). Any other (a `Namespace`) is never imported or
+called but kept as an `Opaque`, which the writer pickles back the same way (a loader that
+has the class gets an equal object). What this reader cannot take (torch's legacy format,
+big-endian data) raises `NeedsTorch`: load it with torch and pass it to `from_torch`.
 """
 from __future__ import annotations
 
@@ -41,7 +38,7 @@ from metaseq.errors import CheckpointLoadError
 
 __all__ = ["ALIGNMENT", "Copy", "DType", "NeedsTorch", "Opaque", "Size", "Storage", "TensorRef", "check_record",
            "copy_file_range_all", "dtype_by_name", "from_torch", "pwrite_all", "pickle_bytes", "read_at",
-           "read_checkpoint", "read_storage", "to_torch", "write_checkpoint", "zip_records"]
+           "read_checkpoint", "to_torch", "write_checkpoint", "zip_records"]
 
 ALIGNMENT = 64  # torch aligns every record's data; mmap-loaded tensors need it
 CHUNK_BYTES = 64 << 20  # per copy call: progress and writeback granularity
@@ -131,8 +128,7 @@ class Storage:
 
     def locate(self, element: int) -> tuple[str | bytes | memoryview, int]:
         """(source, byte offset) of element `element` of a storage read from a file or memory."""
-        source, offset = self.copies[0].source, self.copies[0].src_offset
-        return source, offset + element * self.dtype.itemsize
+        return self.copies[0].source, self.copies[0].src_offset + element * self.dtype.itemsize
 
 
 @dataclass(eq=False)
@@ -304,10 +300,10 @@ def _corrupt(source: str | bytes, detail: str) -> CheckpointLoadError:
 def check_record(source: str | bytes, name: str, record: Record, *, keep: bool = False) -> bytes:
     """Read a record and check it against its CRC32 (unless the writer stored none); its bytes if `keep`."""
     offset, size, crc = record
-    found, data = 0, b""
-    for start in range(0, size, CHUNK_BYTES) if keep or crc else ():
-        chunk = bytes(read_at(source, offset + start, min(CHUNK_BYTES, size - start)))
-        found, data = zlib.crc32(chunk, found), data + chunk if keep else b""
+    data = bytes(read_at(source, offset, size)) if keep else b""
+    found = zlib.crc32(data)
+    for start in range(0, size, CHUNK_BYTES) if crc and not keep else ():
+        found = zlib.crc32(read_at(source, offset + start, min(CHUNK_BYTES, size - start), reuse=True), found)
     if crc and found != crc:
         raise _corrupt(source, f"record {name} fails its CRC32 check")
     return data
@@ -405,13 +401,6 @@ def from_torch(obj: Any) -> tuple[Any, list[str]]:
     return read_checkpoint(buffer.getvalue())
 
 
-def read_storage(storage: Storage) -> bytearray:
-    """A storage's bytes in memory: its copies read (and cast), zeros elsewhere."""
-    out = bytearray(storage.nbytes)
-    _gather(storage.copies, 0, memoryview(out), storage.dtype)
-    return out
-
-
 def _gather(copies: Sequence[Copy], lo: int, out: memoryview, dtype: DType) -> None:
     """Fill `out`, bytes [lo, lo + len(out)) of a storage of `dtype`, from `copies` (all inside it); zeros elsewhere.
 
@@ -421,6 +410,10 @@ def _gather(copies: Sequence[Copy], lo: int, out: memoryview, dtype: DType) -> N
     """
     import numpy as np
 
+    def strided(data: Any, offset: int, count: int, row: int, stride: int) -> Any:
+        """`count` rows of `row` bytes, `stride` apart (0: end to end), of the uint8 array `data` from `offset`."""
+        return np.lib.stride_tricks.as_strided(data[offset:], (count, row), (stride or row, 1))
+
     target = np.frombuffer(out, np.uint8)
     if sum(c.numel * c.count for c in copies) * dtype.itemsize < len(out):  # copies do not cover it all
         target.fill(0)
@@ -429,18 +422,11 @@ def _gather(copies: Sequence[Copy], lo: int, out: memoryview, dtype: DType) -> N
         data = np.frombuffer(read_at(run[0].source, start, end - start, reuse=True), np.uint8)
         for copy in run:
             src_row, dst_row = copy.numel * copy.src_dtype.itemsize, copy.numel * dtype.itemsize
-            rows = _strided(data, copy.src_offset - start, copy.count, src_row, copy.src_stride)
+            rows = strided(data, copy.src_offset - start, copy.count, src_row, copy.src_stride)
             if copy.src_dtype != dtype:
                 rows = np.frombuffer(_cast(np.ascontiguousarray(rows), copy.src_dtype, dtype), np.uint8)
-            _strided(target, copy.dst_offset - lo, copy.count, dst_row, copy.dst_stride)[...] = (
+            strided(target, copy.dst_offset - lo, copy.count, dst_row, copy.dst_stride)[...] = (
                 rows.reshape(copy.count, dst_row))
-
-
-def _strided(data: Any, offset: int, count: int, row: int, stride: int) -> Any:
-    """`count` rows of `row` bytes, `stride` apart (0: end to end), of the uint8 array `data` from `offset`."""
-    import numpy as np
-
-    return np.lib.stride_tricks.as_strided(data[offset:], (count, row), (stride or row, 1))
 
 
 _THREAD = threading.local()
@@ -491,8 +477,9 @@ def to_torch(obj: Any, storages: dict[int, Any] | None = None) -> Any:
     storages = {} if storages is None else storages  # Storage id -> its bytes as a flat torch tensor
     if type(obj) is TensorRef:
         dtype = getattr(torch, obj.dtype.name)
-        if id(obj.storage) not in storages:
-            data = read_storage(obj.storage)
+        if id(obj.storage) not in storages:  # its copies read (and cast), zeros elsewhere
+            data = bytearray(obj.storage.nbytes)
+            _gather(obj.storage.copies, 0, memoryview(data), obj.storage.dtype)
             storages[id(obj.storage)] = torch.frombuffer(data, dtype=dtype) if data else torch.empty(0, dtype=dtype)
         return storages[id(obj.storage)].as_strided(obj.shape, obj.stride, obj.storage_offset)
     if type(obj) is Size:
@@ -569,7 +556,7 @@ class _Pickler(pickle._Pickler):
 class _Entry:
     name: bytes
     size: int
-    data: bytes | None = None  # small records; storages are copied in
+    data: bytes = b""  # small records; storages are copied in
     storage: Storage | None = None
     crc: int = 0
     header_offset: int = 0
@@ -587,8 +574,7 @@ def _header(entry: _Entry, central: bool = False) -> bytes:
         extra += struct.pack("<HH", 0x4246, pad) + b"Z" * pad  # "FB": torch's padding field
     version = 45 if big else 20
     shown = [_ZIP64_MARK if v >= ZIP64_LIMIT else v for v in values]
-    fields = struct.pack("<HHHHHIIIHH", version, 0, 0, 0, 33, entry.crc, shown[0], shown[1], len(entry.name),
-                         len(extra))
+    fields = struct.pack("<HHHHHIIIHH", version, 0, 0, 0, 33, entry.crc, *shown[:2], len(entry.name), len(extra))
     if central:  # version made by first; then comment length, disk, attributes, the local header's offset
         fields = struct.pack("<H", version) + fields + struct.pack("<HHHII", 0, 0, 0, 0, shown[2])
     return (b"PK\x01\x02" if central else b"PK\x03\x04") + fields + entry.name + extra
@@ -645,17 +631,14 @@ def write_checkpoint(fd: int, obj: Any, *, archive: str = "archive", crc32: bool
             else:
                 _copy_chunks(copy, -1, fd, entry, report)
     for path, copies in by_source.items():
-        src = os.open(path, os.O_RDONLY)
-        try:
+        with open(path, "rb", buffering=0) as src:
             for copy, entry in sorted(copies, key=lambda c: c[0].src_offset):
-                _copy_chunks(copy, src, fd, entry, report)
-        finally:
-            os.close(src)
+                _copy_chunks(copy, src.fileno(), fd, entry, report)
     for entry in entries:
         for start in range(0, entry.size, CHUNK_BYTES) if crc32 and entry.storage else ():
             chunk = os.pread(fd, min(CHUNK_BYTES, entry.size - start), entry.data_offset + start)
             entry.crc = zlib.crc32(chunk, entry.crc)
-        pwrite_all(fd, _header(entry) + (entry.data or b""), entry.header_offset)
+        pwrite_all(fd, _header(entry) + entry.data, entry.header_offset)
     cd = b"".join(_header(e, central=True) for e in entries)
     tail = cd + _end_records(len(entries), offset, len(cd))
     pwrite_all(fd, tail, offset)
