@@ -21,7 +21,7 @@ from metaseq.torchzip import NeedsTorch, check_record, zip_records
 
 __all__ = ["CheckpointLoadError", "atomic_output", "atomic_torch_save", "check_checkpoint_crc", "checkpoint_prefix",
            "find_model_parts", "find_shards", "load_checkpoint", "natural_sort_key", "remove_stale_temp_files",
-           "shard_file_name", "shard_glob"]
+           "shard_file_name", "shard_glob", "summarize_paths"]
 
 logger = logging.getLogger(__name__)
 
@@ -64,9 +64,9 @@ def find_shards(pattern: str, *, flag: str = "--input-glob-pattern") -> list[str
         raise UserError(f"{paths[parts.index(None)]}: not a model part's shard like {example}; "
                         f"narrow {flag} so that it matches only the shards")
     if len(set(parts)) > 1:
-        raise UserError(f"inputs mix model parts {sorted(set(parts))} ({_few(paths)}); reshard one model part at a "
-                        "time, e.g. --input-glob-pattern '...-model_part-0-shard*.pt', or every part with '{j}' in "
-                        "both names: '...-model_part-{j}-shard*.pt' and '...-model_part-{j}-shard{i}.pt'")
+        raise UserError(f"inputs mix model parts {sorted(set(parts))} ({summarize_paths(paths)}); reshard one model "
+                        "part at a time, e.g. --input-glob-pattern '...-model_part-0-shard*.pt', or every part with "
+                        "'{j}' in both names: '...-model_part-{j}-shard*.pt' and '...-model_part-{j}-shard{i}.pt'")
     return _order_shards(paths, flag)
 
 
@@ -109,7 +109,7 @@ def _order_shards(paths: Sequence[str], flag: str) -> list[str]:
         seen[index] = path
     missing = sorted(set(range(len(paths))) - set(seen))
     if missing:
-        raise UserError(f"shard{missing[0]} is missing: found {len(paths)} shard files ({_few(paths)}) "
+        raise UserError(f"shard{missing[0]} is missing: found {len(paths)} shard files ({summarize_paths(paths)}) "
                         f"but shard indices must be exactly 0..{len(paths) - 1}; check {flag}")
     return [seen[i] for i in range(len(paths))]
 
@@ -125,7 +125,7 @@ def _shard_indices(paths: Sequence[str]) -> list[int]:
     numbers = zip(*([int(n) for n in re.findall(r"\d+", p)] for p in paths))
     varying = {column for column in numbers if len(set(column)) > 1}
     if len(varying) != 1:
-        raise UserError(f"{_few(paths)}: cannot tell which number in the names is the shard index; "
+        raise UserError(f"{summarize_paths(paths)}: cannot tell which number in the names is the shard index; "
                         "name the files '...shard{i}.pt'")
     return list(varying.pop())
 
@@ -135,7 +135,8 @@ def _last_int(pattern: re.Pattern, path: str) -> int | None:
     return int(found[-1]) if found else None
 
 
-def _few(paths: Sequence[str], limit: int = 3) -> str:
+def summarize_paths(paths: Sequence[str], limit: int = 3) -> str:
+    """The first `limit` paths for a message: `a.pt, b.pt, c.pt, ... (8 files)`."""
     return ", ".join(paths[:limit]) + (f", ... ({len(paths)} files)" if len(paths) > limit else "")
 
 
@@ -202,33 +203,28 @@ class _WriteErrorRecorder:
             raise
 
 
-def remove_stale_temp_files(path: str | os.PathLike) -> list[str]:
-    """Remove (and return) the temp files of `path` whose writer died: `.NAME.<pid>.<random>.tmp` whose pid
-    no longer runs on this host, and `.NAME.<random>.tmp` of older versions, which carry no pid."""
+def remove_stale_temp_files(path: str | os.PathLike) -> None:
+    """Remove the temp files of `path` whose writer died: `.NAME.<pid>.<random>.tmp` whose pid no longer
+    runs on this host, and `.NAME.<random>.tmp` of older versions, which carry no pid."""
     path = Path(path)
     stale_re = re.compile(rf"\.{re.escape(path.name)}\.(?:(\d+)\.)?[a-z0-9_]{{8}}\.tmp")
     try:
         names = os.listdir(path.parent)
     except OSError:
-        return []
-    removed = []
+        return
     for name in names:
         match = stale_re.fullmatch(name)
         if match and not (match.group(1) and _pid_alive(int(match.group(1)))):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path.parent / name)
-                removed.append(str(path.parent / name))
                 logger.warning("removed %s, a temporary file left by a killed run", path.parent / name)
-    return removed
 
 
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # e.g. EPERM: it exists, owned by someone else
-        pass
+    except OSError as e:  # EPERM: it exists, owned by someone else
+        return not isinstance(e, ProcessLookupError)
     return True
 
 

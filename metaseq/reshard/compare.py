@@ -15,6 +15,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from metaseq.errors import ReshardError
+from metaseq.file_io import summarize_paths
 from metaseq.reshard.layout import global_params
 from metaseq.reshard.optim import LAYOUT_KEYS
 from metaseq.reshard.options import ReshardOptions
@@ -42,8 +43,8 @@ class TensorSet:
     optim: dict[OptimKey, OutTensor] | None  # None: no optimizer state, skipped, or not comparable
     optim_scalars: dict[OptimKey, Any]  # e.g. step, as a plain number
     optim_settings: dict[str, Any]  # param_groups without their "params" ids, loss_scale, ...
+    scales: dict[tuple, list[float]]  # by path, per input: fp16 moment x scale = value
     note: str = ""  # why optimizer state cannot be compared, if so
-    scales: dict[tuple, list[float]] = field(default_factory=dict)  # by path, per input: fp16 moment x scale = value
 
     def read(self, tensor: OutTensor) -> torch.Tensor:
         """The tensor; moments stored with a per-rank scale (--fp16-adam-stats) as their values."""
@@ -86,9 +87,8 @@ def tensor_set_from_source(source: Source, inputs: Sequence[InputFile], output_d
             model[dst] = model[src]._replace(path=("model", dst))
     buffers = frozenset(e.key for e in layout.dicts[0].extras if e.shape is not None)
     form = "1 unflattened file" if layout.unflattened else f"{len(inputs)} flat shard{'s' * (len(inputs) > 1)}"
-    scalars, settings, scales = ({}, {}, {}) if source.optim is None else _optim_extras(source, names, shard0[OPTIM])
-    return TensorSet(tuple(inputs), form, model, buffers, None if source.optim is None else optim, scalars, settings,
-                     scales=scales)
+    extras = ({}, {}, {}) if source.optim is None else _optim_extras(source, names, shard0[OPTIM])
+    return TensorSet(tuple(inputs), form, model, buffers, None if source.optim is None else optim, *extras)
 
 
 def _optim_extras(source: Source, names: Mapping[int, str], osd0: Mapping[str, Any]) -> tuple[dict, dict, dict]:
@@ -130,7 +130,7 @@ def _plain_tensor_set(item: InputFile, skip_optimizer_state: bool) -> TensorSet:
     note = ""
     if structure.get(OPTIM) is not None and not skip_optimizer_state:
         note = f"{path} has no shard_metadata, so its optimizer state ids cannot be matched to parameter names"
-    return TensorSet((item,), "a plain state dict", model, frozenset(), None, {}, {}, note)
+    return TensorSet((item,), "a plain state dict", model, frozenset(), None, {}, {}, {}, note)
 
 
 @dataclass(frozen=True)
@@ -255,17 +255,13 @@ def max_abs_diff(x: torch.Tensor, y: torch.Tensor) -> float:
 
 def describe_comparison(comparison: Comparison, a: TensorSet, b: TensorSet) -> list[str]:
     """The report `compare_checkpoints` prints: what was compared, each difference, the verdict."""
-    lines = []
-    for side, checkpoint in (("A", a), ("B", b)):  # its form and first two files
-        paths = [i.path for i in checkpoint.inputs]
-        more = f", ... ({len(paths)} files)" if len(paths) > 2 else ""
-        lines.append(f"{side}: {checkpoint.form}: {', '.join(paths[:2])}{more}")
+    lines = [f"{side}: {checkpoint.form}: {summarize_paths([i.path for i in checkpoint.inputs], 2)}"
+             for side, checkpoint in (("A", a), ("B", b))]
     lines.append(f"compared {comparison.model_tensors} model tensors")
     if comparison.optimizer_compared:
         lines[-1] += f", {comparison.optimizer_tensors} optimizer tensors"
         lines[-1] += f" and {comparison.optimizer_scalars} optimizer scalars"
     lines += [f"note: {note}" for note in comparison.notes]
     lines += [f"differs: {d.name}: {d.detail}" for d in comparison.differences]
-    optimizer = " and optimizer state" if comparison.optimizer_compared else ""
-    same = f"SAME: the checkpoints hold the same model{optimizer}"
+    same = "SAME: the checkpoints hold the same model" + " and optimizer state" * comparison.optimizer_compared
     return lines + [same if comparison.equal else f"DIFFERENT: {len(comparison.differences)} difference(s)"]
