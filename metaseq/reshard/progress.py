@@ -13,8 +13,6 @@ __all__ = ["Progress", "make_progress"]
 
 logger = logging.getLogger(__name__)
 
-MODES = ("bar", "lines", "off")
-
 
 class Progress:
     """Bytes done out of `total_bytes` over `num_files` outputs, shown as `mode` says.
@@ -26,7 +24,7 @@ class Progress:
 
     def __init__(self, total_bytes: int, num_files: int, *, mode: str = "lines", stream: TextIO | None = None,
                  label: str = "reshard") -> None:
-        assert mode in MODES, mode
+        assert mode in ("bar", "lines", "off"), mode
         self.total, self.num_files, self.mode, self.label = total_bytes, num_files, mode, label
         self.done = self.files = 0
         self.credited: dict[int, int] = {}  # job -> bytes reported so far
@@ -79,12 +77,8 @@ def make_progress(total_bytes: int, num_files: int, *, quiet: bool, stream: Text
                   label: str = "reshard") -> Progress:
     """The CLI's choice: nothing with --quiet, a bar when `stream` (default stderr) is a terminal, else lines."""
     stream = stream or sys.stderr
-    mode = "off" if quiet else ("bar" if _isatty(stream) else "lines")
-    return Progress(total_bytes, num_files, mode=mode, stream=stream, label=label)
-
-
-def _isatty(stream: TextIO) -> bool:
     try:
-        return stream.isatty()
+        mode = "off" if quiet else ("bar" if stream.isatty() else "lines")
     except (AttributeError, ValueError):  # replaced or closed streams
-        return False
+        mode = "lines"
+    return Progress(total_bytes, num_files, mode=mode, stream=stream, label=label)
