@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import itertools
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Sequence
@@ -40,15 +41,15 @@ class FlatParam:
     backing_name: str  # key of its entry in that instance's "params"
     names: tuple[str, ...]
     shapes: tuple[Size, ...]
-    numels: tuple[int, ...]
 
     @property
     def numel(self) -> int:
-        return sum(self.numels)
+        return sum(shape.numel() for shape in self.shapes)
 
-    def ranges(self) -> list[tuple[int, int]]:
+    @functools.cached_property
+    def ranges(self) -> tuple[tuple[int, int], ...]:
         """[start, end) of each original parameter inside the unpadded flat parameter."""
-        return [(end - n, end) for n, end in zip(self.numels, itertools.accumulate(self.numels))]
+        return tuple(itertools.pairwise(itertools.accumulate((s.numel() for s in self.shapes), initial=0)))
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,7 @@ def output_cuts(layout: ModelLayout, unflatten: bool, world_size: int,
     (state id: its global id); else rank `rank`'s FSDP shard of each k, padded (state id: k)."""
     fps = layout.flat_params
     if unflatten:
-        return [(g, k, fps[k].names[j], *fps[k].ranges()[j], fps[k].shapes[j]) for g, k, j in global_params(layout)]
+        return [(g, k, fps[k].names[j], *fps[k].ranges[j], fps[k].shapes[j]) for g, k, j in global_params(layout)]
     ranges = [shard_range(fp.numel, world_size, rank) for fp in fps]
     return [(k, k, fp.key, start, end, Size([padded])) for k, (fp, (start, end, padded)) in enumerate(zip(fps, ranges))]
 
@@ -138,7 +139,7 @@ def output_metadata(layout: ModelLayout, paddings: Sequence[int]) -> ShardMetada
         entry["padding"] = pad
         if tuple(Size(s) for s in entry["shapes"]) != fp.shapes:  # another model-parallel cut: same types
             entry["shapes"] = [type(old)(new) for old, new in zip(entry["shapes"], fp.shapes)]
-            entry["numels"] = list(fp.numels)
+            entry["numels"] = [shape.numel() for shape in fp.shapes]
     return meta
 
 
@@ -173,12 +174,12 @@ def _parse_flat_params(meta: ShardMetadata, label: str) -> tuple[FlatParam, ...]
 
 def _parse_param(idx: int, path: str, backing: str, pm: Mapping[str, Any], label: str) -> FlatParam:
     names = tuple(join_key(path, clean_key(n)) for n in pm["names"])
-    fp = FlatParam(join_key(path, clean_key(backing)), idx, backing, names, tuple(Size(s) for s in pm["shapes"]),
-                   tuple(int(n) for n in pm["numels"]))
-    if not len(fp.names) == len(fp.shapes) == len(fp.numels):
+    fp = FlatParam(join_key(path, clean_key(backing)), idx, backing, names, tuple(Size(s) for s in pm["shapes"]))
+    numels = [int(n) for n in pm["numels"]]  # checked, not kept: the shapes say them
+    if not len(fp.names) == len(fp.shapes) == len(numels):
         raise ReshardError(f"{label}: shard_metadata of '{fp.key}' has {len(fp.names)} names, {len(fp.shapes)} "
-                           f"shapes, {len(fp.numels)} numels")
-    for name, shape, n in zip(fp.names, fp.shapes, fp.numels):
+                           f"shapes, {len(numels)} numels")
+    for name, shape, n in zip(fp.names, fp.shapes, numels):
         if shape.numel() != n:
             raise ReshardError(f"{label}: shard_metadata says '{name}' has shape {list(shape)} but numel {n}")
     return fp
@@ -236,19 +237,17 @@ def _is_unflattened(key_map: Mapping[str, str], model: Mapping[str, Any], flat_p
                     label: str) -> bool:
     has_flat = all(fp.key in key_map for fp in flat_params)
     has_names = all(n in key_map for fp in flat_params for n in fp.names)
-    if has_flat and has_names:
-        # Only when no parameter is really flattened (backing name == original name).
-        return not all(_dim(model[key_map[fp.key]]) == 1 for fp in flat_params)
     if not has_flat and not has_names:
         missing = next(fp for fp in flat_params if fp.key not in key_map)
         name = next(n for n in missing.names if n not in key_map) if missing.names else "?"
         raise ReshardError(f"{label}: model has no '{missing.key}' (nor original parameter names such as '{name}'); "
                            "shard_metadata does not describe this model")
-    return has_names
+    # Keys of both kinds (a backing name can be an original name): unflattened unless every flat tensor is 1-D.
+    return has_names and not (has_flat and all(_is_flat(model[key_map[fp.key]]) for fp in flat_params))
 
 
-def _dim(value: Any) -> int:
-    return value.dim() if is_tensor(value) else -1
+def _is_flat(value: Any) -> bool:
+    return is_tensor(value) and value.dim() == 1
 
 
 def _flat_lengths(models: Sequence[Mapping[str, Any]], metas: Sequence[ShardMetadata],
@@ -260,7 +259,7 @@ def _flat_lengths(models: Sequence[Mapping[str, Any]], metas: Sequence[ShardMeta
         lengths, keeps = [], []
         for model, meta, key_map, label in zip(models, metas, key_maps, labels):
             tensor = model[key_map[fp.key]]
-            if _dim(tensor) != 1:
+            if not _is_flat(tensor):
                 shape = list(tensor.shape) if is_tensor(tensor) else type(tensor).__name__
                 raise ReshardError(f"{label}: model['{key_map[fp.key]}'] should be a 1-D flat tensor, found {shape}")
             length, pad = tensor.numel(), meta["param_metadata"][fp.instance]["params"][fp.backing_name]["padding"]
@@ -301,7 +300,7 @@ def _param_dict(layout: ModelLayout, dicts: Sequence[Mapping[str, Any]], maps: S
     for k, fp in enumerate(layout.flat_params):
         spans = []
         for r, (entries, key_map, label) in enumerate(zip(dicts, maps, layout.labels)):
-            pieces = zip(fp.names, fp.shapes, fp.numels) if layout.unflattened else [
+            pieces = [(n, s, s.numel()) for n, s in zip(fp.names, fp.shapes)] if layout.unflattened else [
                 (fp.key, Size([layout.padded_lengths[k][r]]), layout.kept_lengths[k][r])]
             for key, shape, length in pieces:
                 tensor = entries.get(key_map.get(key))
@@ -314,9 +313,8 @@ def _param_dict(layout: ModelLayout, dicts: Sequence[Mapping[str, Any]], maps: S
         # A flat parameter that holds no parameters has no elements: any tensor's dtype.
         tensor = dicts[0][spans[0].path[-1]] if spans else next(v for v in dicts[0].values() if is_tensor(v))
         dtypes.append(tensor.dtype)
-    taken = {fp.key for fp in layout.flat_params}
-    if layout.unflattened:
-        taken = {n for fp in layout.flat_params for n in fp.names} | {dst for _, dst in layout.ties}
+    taken = ({n for fp in layout.flat_params for n in fp.names} | {dst for _, dst in layout.ties} if layout.unflattened
+             else {fp.key for fp in layout.flat_params})
     values = {clean: (actual, dicts[0][actual]) for clean, actual in maps[0].items() if clean not in taken}
     extras = tuple(Extra(clean, actual, value.shape, value.dtype) if is_tensor(value) else
                    Extra(clean, actual, None, None) for clean, (actual, value) in values.items())
