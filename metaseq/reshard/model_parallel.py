@@ -76,7 +76,8 @@ def cut_model_parts(parts: Sequence[ModelLayout], optims: Sequence[OptimLayout |
     model = dataclasses.replace(
         first, labels=tuple(label for p in parts for label in p.labels),
         flat_params=tuple(cut.flat_param(fp) for fp in first.flat_params), first=0,
-        dicts=tuple(dataclasses.replace(d, sources=cut.all([p.dicts[i].sources for p in parts]))
+        dicts=tuple(dataclasses.replace(d, sources=tuple(cut.spans(k, [p.dicts[i].sources[k] for p in parts])
+                                                         for k in range(len(d.sources))))
                     for i, d in enumerate(first.dicts)),
     )
     if optims[0] is None:
@@ -101,16 +102,12 @@ class _Cutter:
             rule = rule_for(name)
             if rule is not None:
                 shape[rule.dim] //= self.num_parts
-        return dataclasses.replace(fp, shapes=tuple(map(Size, shapes)), numels=tuple(math.prod(s) for s in shapes))
-
-    def all(self, part_sources: Sequence[Sequence[Sequence[Span]]]) -> tuple[tuple[Span, ...], ...]:
-        """`spans` of every flat parameter, from each part's sources."""
-        return tuple(self.spans(k, [sources[k] for sources in part_sources]) for k in range(len(part_sources[0])))
+        return dataclasses.replace(fp, shapes=tuple(map(Size, shapes)))
 
     def spans(self, k: int, part_spans: Sequence[Sequence[Span]]) -> tuple[Span, ...]:
         """Output flat parameter k's elements: each of its parameters' pieces of the input parts, in order."""
         indexes, out = [SpanIndex(s) for s in part_spans], []
-        ranges = zip(*(p.flat_params[k].ranges() for p in self.parts))  # per parameter: (start, end) per part
+        ranges = zip(*(p.flat_params[k].ranges for p in self.parts))  # per parameter: (start, end) per part
         for name, starts_ends in zip(self.parts[0].flat_params[k].names, ranges):
             rule = rule_for(name)
             if rule is None:
@@ -140,13 +137,12 @@ class _Cutter:
         """A replicated tensor should be equal in every part: part 0's is used, a difference is reported."""
         if name in self.warned or self.part or len(copies) < 2:  # once per run: by output part 0
             return
-        first, dtype = _read(self.structures, copies[0])
-        for p, other in enumerate(copies[1:], start=1):
-            data, _ = _read(self.structures, other)
+        (first, dtype), *others = (_read(self.structures, spans) for spans in copies)
+        for p, (data, _) in enumerate(others, start=1):
             if data != first:
                 self.warned.add(name)
-                diff = _max_diff(first, data, dtype)
-                logger.warning("%s differs between parts (max diff %s, part %d vs part 0); using part 0", name, diff, p)
+                logger.warning("%s differs between parts (max diff %s, part %d vs part 0); using part 0", name,
+                               _max_diff(first, data, dtype), p)
                 return
 
 
@@ -195,13 +191,10 @@ def _read(structures: Sequence[Any], spans: Sequence[Span]) -> tuple[bytes, DTyp
 
 
 def _max_diff(a: bytes, b: bytes, dtype: DType) -> str:
-    """max |a - b| of two tensors' bytes, as text ("?" for dtypes that are not floats)."""
-    import numpy as np
+    """max |a - b| of two tensors' (different, so not empty) bytes, as text ("?" for dtypes that are not floats)."""
+    import torch
 
     if not dtype.is_floating_point:
         return "?"
-    if dtype.name == "bfloat16":  # the upper half of a float32
-        x, y = ((np.frombuffer(data, np.uint16).astype(np.uint32) << 16).view(np.float32) for data in (a, b))
-    else:
-        x, y = (np.frombuffer(data, np.dtype(dtype.name)) for data in (a, b))
-    return f"{float(np.max(np.abs(x.astype(np.float64) - y))):.3g}" if x.size else "0"
+    x, y = (torch.frombuffer(bytearray(data), dtype=getattr(torch, dtype.name)).double() for data in (a, b))
+    return f"{(x - y).abs().max().item():.3g}"
