@@ -200,10 +200,8 @@ def optimizer_targets(optim: OptimLayout, cuts: Sequence[tuple[int, int, str, in
 def assemble_flat_optimizer(osd0: Mapping[str, Any], optim: OptimLayout, model: ModelLayout,
                             tensors: Mapping[tuple, TensorRef], rank: int) -> dict[str, Any]:
     """One rank's flat optimizer state_dict; other keys (param_groups, loss_scale) from rank 0."""
-    out = _assembled(osd0, optim.entries, tensors, lambda e: e.flat_value(rank))
-    if optim.consolidated:  # back to one id per flat parameter, as fairscale's flatten_optim_state_dict
-        out["param_groups"][0]["params"] = list(range(len(model.flat_params)))
-    return out
+    ids = len(model.flat_params) if optim.consolidated else None  # one per flat parameter, as flatten_optim_state_dict
+    return _assembled(osd0, optim.entries, tensors, lambda e: e.flat_value(rank), ids)
 
 
 def assemble_consolidated_optimizer(osd0: Mapping[str, Any], optim: OptimLayout, model: ModelLayout,
@@ -211,19 +209,18 @@ def assemble_consolidated_optimizer(osd0: Mapping[str, Any], optim: OptimLayout,
     """fairscale's consolidated layout, exactly as `gather_full_optim_state_dict` returns it."""
     id_map = {g: k if k in optim.entries else None for g, k, _ in global_params(model)}
     entries = {g: optim.entries[k] for g, k in id_map.items() if k is not None}
-    out = _assembled(osd0, entries, tensors, StateEntry.consolidated_value)
-    out["param_groups"][0]["params"] = list(range(len(id_map)))
-    out["param_id_map"] = id_map
-    out["uncollected_local_ids"] = []
-    return out
+    out = _assembled(osd0, entries, tensors, StateEntry.consolidated_value, len(id_map))
+    return {**out, "param_id_map": id_map, "uncollected_local_ids": []}
 
 
 def _assembled(osd0: Mapping[str, Any], entries: Mapping[int, Sequence[StateEntry]], tensors: Mapping[tuple, TensorRef],
-               scalar: Callable[[StateEntry], Any]) -> dict[str, Any]:
+               scalar: Callable[[StateEntry], Any], ids: int | None) -> dict[str, Any]:
     """State id i holding the states `entries[i]` (tensors as planned, scalars by `scalar`), then the keys of `osd0`
-    other than LAYOUT_KEYS (param_groups copied)."""
+    other than LAYOUT_KEYS (param_groups copied; with `ids`, the first group's params 0..ids-1)."""
     state = {i: {e.name: tensors[(OPTIM, "state", i, e.name)] if e.segments is not None else scalar(e) for e in states}
              for i, states in entries.items()}
     carried = {key: copy.deepcopy(value) if key == "param_groups" else value
                for key, value in osd0.items() if key not in LAYOUT_KEYS}
+    if ids is not None:
+        carried["param_groups"][0]["params"] = list(range(ids))
     return {"state": state, **carried}
