@@ -539,12 +539,10 @@ class _Pickler(pickle._Pickler):
         raise TypeError(f"cannot write a {kind.__name__} into a checkpoint")
 
     def save_global(self, obj: Any, name: str | None = None) -> None:
-        if type(obj) is DType:
-            self.write(f"ctorch\n{obj.name}\n".encode())
-        elif isinstance(obj, type) and issubclass(obj, Opaque):  # also the format's globals (`_marker`)
-            self.write(f"c{obj.module}\n{obj.qualname}\n".encode())
-        else:
+        stand_in = _marker("torch", obj.name) if type(obj) is DType else obj  # a dtype is the global torch.<name>
+        if not (isinstance(stand_in, type) and issubclass(stand_in, Opaque)):  # Opaque, or a format global (`_marker`)
             return super().save_global(obj, name)
+        self.write(f"c{stand_in.module}\n{stand_in.qualname}\n".encode())
         self.memoize(obj)
 
 
