@@ -57,7 +57,7 @@ def _write_and_verify(world: World, plans: Sequence[Plan], options: ReshardOptio
     for plan in plans:
         into = f" into {plan.outputs[0].path}{', ...' if len(plan.outputs) > 1 else ''}" if len(plans) > 1 else ""
         logger.info("resharding %s%s", summarize_plan(plan), into)
-    workers = options.num_workers or max(1, min(available_cpus(world.local_size), len(mine)))
+    workers = options.num_workers or available_cpus(world.local_size)  # write_outputs caps it at len(mine)
     label = "reshard" if world.size == 1 else f"rank 0 of {world.size}"
     progress = make_progress(sum(j.out.nbytes for j in mine), len(mine), quiet=options.quiet or world.rank != 0,
                              label=label)
