@@ -117,10 +117,8 @@ def analyze_model(shards: Sequence[Mapping[str, Any]], labels: Sequence[str], fi
     if any(forms) and len(shards) > 1:
         raise ReshardError(f"{labels[forms.index(True)]}: looks unflattened (model keys are original parameter names) "
                            f"but was given with {len(shards) - 1} other input(s); pass a consolidated file alone")
-    if forms[0]:
-        padded = kept = tuple((fp.numel,) for fp in flat_params)
-    else:
-        padded, kept = _flat_lengths(models, metas, key_maps, flat_params, labels)
+    whole = tuple((fp.numel,) for fp in flat_params)  # unflattened: one input, no padding
+    padded, kept = (whole, whole) if forms[0] else _flat_lengths(models, metas, key_maps, flat_params, labels)
     layout = ModelLayout(tuple(labels), forms[0], flat_params, padded, kept, ties, metas[0], first)
     dicts = [_param_dict(layout, models, key_maps, ("model",))]
     for name in MIRRORS:  # checked on every input to hold the flat parameters as `model` does
@@ -209,9 +207,8 @@ def _parse_ties(meta: ShardMetadata, flat_params: Sequence[FlatParam], label: st
     for inst in meta["param_metadata"]:
         path = clean_key(inst.get("fsdp_path", ""))
         for src, dst in inst.get("shared_param_info") or []:
-            src_full, dst_full = join_key(path, clean_key(src)), join_key(path, clean_key(dst))
-            if src_full not in names and clean_key(src) in names:  # already absolute
-                src_full, dst_full = clean_key(src), clean_key(dst)
+            absolute = join_key(path, clean_key(src)) not in names and clean_key(src) in names
+            src_full, dst_full = (join_key("" if absolute else path, clean_key(key)) for key in (src, dst))
             if src_full not in names:
                 raise ReshardError(f"{label}: shared_param_info ties '{dst_full}' to '{src_full}', which no flat "
                                    "parameter holds")
