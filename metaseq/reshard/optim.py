@@ -47,7 +47,7 @@ class StateEntry:
     @property
     def per_rank(self) -> bool:
         """Tensor values that differ between ranks (e.g. the scales of --fp16-adam-stats moments)."""
-        found = {v.value() if _is_scalar_tensor(v) else repr(v) for v in self.values if is_tensor(v)}
+        found = {v.value() for v in self.values if is_tensor(v)}  # scalar state: only 0-dim tensors
         return self.name != "step" and len(found) > 1
 
     def flat_value(self, rank: int) -> Any:
@@ -165,10 +165,8 @@ def _per_element_names(state: Mapping[int, Mapping[str, Any]], model: ModelLayou
     parameter both are 0-dim tensors: such a name is per-element when it has dims for some other parameter,
     or is not "step" and has the parameter's shape everywhere."""
     shapes = {g: model.flat_params[k].shapes[j] for g, k, j in global_params(model)}
-    found: dict[str, list[tuple[int, Any]]] = {}
-    for g, entry in state.items():
-        for name, value in entry.items():
-            found.setdefault(name, []).append((g, value))
+    names = {name for entry in state.values() for name in entry}
+    found = {name: [(g, entry[name]) for g, entry in state.items() if name in entry] for name in names}
     return frozenset(name for name, values in found.items()
                      if any(is_tensor(v) and v.dim() > 0 for _, v in values)
                      or name != "step" and all(is_tensor(v) and v.shape == shapes.get(g) for g, v in values))
