@@ -144,10 +144,9 @@ def _cut(item: Span | Tile, a: int, b: int) -> list[Span | Tile]:
     if r0 == r1:
         return _rows(spans, r0, 1, c0, c1)
     whole = r0 + 1 if c0 else r0  # the first whole row
-    out = _rows(spans, r0, 1, c0, width) if c0 else []
-    if r1 > whole:
-        out += _rows(spans, whole, r1 - whole, 0, width)
-    return out + _rows(spans, r1, 1, 0, c1)
+    head = _rows(spans, r0, 1, c0, width) if c0 else []
+    body = _rows(spans, whole, r1 - whole, 0, width) if r1 > whole else []
+    return head + body + _rows(spans, r1, 1, 0, c1)
 
 
 def _rows(spans: Sequence[Span], row: int, count: int, a: int, b: int) -> list[Span | Tile]:
