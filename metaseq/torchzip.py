@@ -629,9 +629,12 @@ def write_checkpoint(fd: int, obj: Any, *, archive: str = "archive", crc32: bool
             else:
                 _copy_chunks(copy, -1, fd, entry, report)
     for path, copies in by_source.items():
-        with open(path, "rb", buffering=0) as src:
+        src = os.open(path, os.O_RDONLY)
+        try:
             for copy, entry in sorted(copies, key=lambda c: c[0].src_offset):
-                _copy_chunks(copy, src.fileno(), fd, entry, report)
+                _copy_chunks(copy, src, fd, entry, report)
+        finally:
+            os.close(src)
     for entry in entries:
         for start in range(0, entry.size, CHUNK_BYTES) if crc32 and entry.storage else ():
             chunk = os.pread(fd, min(CHUNK_BYTES, entry.size - start), entry.data_offset + start)
