@@ -5,7 +5,7 @@ any other exception is a bug and keeps its type name in the report.
 """
 from __future__ import annotations
 
-__all__ = ["CheckpointLoadError", "ReshardError", "UserError", "one_line_error"]
+__all__ = ["CheckpointLoadError", "ReshardError", "UserError", "one_line_error", "short_repr"]
 
 
 class UserError(Exception):
@@ -24,3 +24,9 @@ def one_line_error(err: BaseException) -> str:
     """The error as one line; other error types than ours (and OSError) keep their type name for the bug report."""
     text = " ".join(str(err).split())
     return text if isinstance(err, (UserError, OSError)) else f"{type(err).__name__}: {text}"
+
+
+def short_repr(value: object, limit: int) -> str:
+    """`repr(value)`, cut to `limit` characters (ending in "...") for a one-line message."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -145,7 +145,7 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
     (torch reports it as an opaque RuntimeError)."""
     import torch
 
-    with atomic_output(path) as (f, _):
+    with atomic_output(path) as f:
         writer = _WriteErrorRecorder(f)
         try:
             torch.save(obj, writer)
@@ -156,8 +156,8 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
 
 
 @contextlib.contextmanager
-def atomic_output(path: str | os.PathLike) -> Iterator[tuple[BinaryIO, str]]:
-    """Write `path` through a temp file: yields (the temp file open for reading and writing, its path).
+def atomic_output(path: str | os.PathLike) -> Iterator[BinaryIO]:
+    """Write `path` through a temp file: yields the temp file, open for reading and writing.
 
     The temp file is `.NAME.<pid>.<random>.tmp` (never matched by a `*.pt` glob); ones left by killed writers are
     removed first. On success it is fsync-ed and renamed over `path`, then the folder is fsync-ed; on any error it
@@ -170,7 +170,7 @@ def atomic_output(path: str | os.PathLike) -> Iterator[tuple[BinaryIO, str]]:
     try:
         os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes it 0600; permissions as `open` would give
         with os.fdopen(fd, "w+b") as f:
-            yield f, tmp
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

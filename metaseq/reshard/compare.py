@@ -14,7 +14,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from metaseq.errors import ReshardError
+from metaseq.errors import ReshardError, short_repr
 from metaseq.file_io import summarize_paths
 from metaseq.reshard.layout import global_params
 from metaseq.reshard.optim import LAYOUT_KEYS
@@ -204,7 +204,7 @@ def _compare_tensors(a: TensorSet, b: TensorSet, which: str, result: Comparison,
 def _compare_optim_values(va: Mapping[str, Any], vb: Mapping[str, Any], result: Comparison) -> int:
     common = _common(va, vb, "optimizer ", result)
     for key in (k for k in common if not _same_value(va[k], vb[k])):
-        result.differences.append(Difference(f"optimizer {key}", f"{_short(va[key])} vs {_short(vb[key])}"))
+        result.differences.append(Difference(f"optimizer {key}", f"{short_repr(va[key], 60)} vs {short_repr(vb[key], 60)}"))
     return len(common)
 
 
@@ -218,11 +218,6 @@ def _same_value(x: Any, y: Any) -> bool:
     if isinstance(x, (list, tuple)) and isinstance(y, (list, tuple)):
         return len(x) == len(y) and all(_same_value(i, j) for i, j in zip(x, y))
     return bool(x == y)
-
-
-def _short(value: Any, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _dtype(dtype: torch.dtype) -> str:

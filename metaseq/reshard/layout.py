@@ -16,7 +16,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Sequence
 
-from metaseq.errors import ReshardError
+from metaseq.errors import ReshardError, short_repr
 from metaseq.reshard.ranges import Span, shard_range
 from metaseq.reshard.schema import ShardMetadata, clean_key, is_tensor, join_key
 from metaseq.torchzip import DType, Size
@@ -191,13 +191,8 @@ def _check_same_params(ref: Sequence[FlatParam], other: Sequence[FlatParam], ref
         if a != b:
             field = next(f.name for f in dataclasses.fields(FlatParam) if getattr(a, f.name) != getattr(b, f.name))
             raise ReshardError(f"{label}: shard_metadata disagrees with {ref_label} on the {field} of flat parameter "
-                               f"'{a.key}' ({_short(getattr(b, field))} vs {_short(getattr(a, field))}); the shards "
+                               f"'{a.key}' ({short_repr(getattr(b, field), 80)} vs {short_repr(getattr(a, field), 80)}); the shards "
                                "come from different models or runs")
-
-
-def _short(value: Any, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _parse_ties(meta: ShardMetadata, flat_params: Sequence[FlatParam], label: str) -> tuple[tuple[str, str], ...]:

@@ -18,6 +18,7 @@ from metaseq.models.partition import Rule, rule_for
 from metaseq.reshard.layout import FlatParam, ModelLayout
 from metaseq.reshard.optim import OptimLayout, StateEntry
 from metaseq.reshard.ranges import Span, SpanIndex, join_spans, side_by_side
+from metaseq.reshard.schema import resolve
 from metaseq.torchzip import DType, Size, read_at
 
 __all__ = ["check_parts_fit", "cut_model_parts", "global_shapes"]
@@ -181,9 +182,7 @@ def _read(structures: Sequence[Any], spans: Sequence[Span]) -> tuple[bytes, DTyp
     """The bytes of a (small, replicated) tensor's elements, and their dtype."""
     out, dtype = [], None
     for span in spans:
-        tensor = structures[span.input]
-        for key in span.path:
-            tensor = tensor[key]
+        tensor = resolve(structures[span.input], span.path)
         source, offset = tensor.storage.locate(tensor.storage_offset + span.start)
         out.append(bytes(read_at(source, offset, span.length * tensor.dtype.itemsize)))
         dtype = tensor.dtype

@@ -29,7 +29,7 @@ from metaseq.reshard.optim import (OptimLayout, analyze_optimizer, assemble_cons
 from metaseq.reshard.model_parallel import check_parts_fit, cut_model_parts, global_shapes
 from metaseq.reshard.options import ReshardOptions
 from metaseq.reshard.ranges import OutTensor, Run, plan_range
-from metaseq.reshard.schema import OPTIM, is_tensor
+from metaseq.reshard.schema import OPTIM, is_tensor, resolve
 from metaseq.torchzip import Copy, DType, NeedsTorch, Opaque, Size, TensorRef, from_torch, read_checkpoint
 
 __all__ = ["InputFile", "OutFile", "Plan", "Source", "analyze_inputs", "assemble_output", "describe_plan",
@@ -241,7 +241,7 @@ def _checked(plan: Plan) -> Plan:
     values that cannot be written fail now, not halfway)."""
     read = {(run.input, run.path) for out in plan.outputs for tensor in out.tensors for run in tensor.runs}
     for index, path in read:
-        src = _resolve(plan.inputs[index].structure, path)
+        src = resolve(plan.inputs[index].structure, path)
         if not is_tensor(src) or not src.is_contiguous():
             raise ReshardError(f"{plan.inputs[index].path}: {'.'.join(map(str, path))} is a view of another "
                                "tensor's storage, not a tensor of its own; such files cannot be resharded")
@@ -292,17 +292,11 @@ def _cast(dtype: DType, output_dtype: DType | None) -> DType:
     return output_dtype if output_dtype is not None and dtype.is_floating_point else dtype
 
 
-def _resolve(obj: Any, path: Sequence[Any]) -> Any:
-    for key in path:
-        obj = obj[key]
-    return obj
-
-
 def tensor_ref(tensor: OutTensor, inputs: Sequence[InputFile]) -> TensorRef:
     """A new tensor whose storage is filled from the runs' bytes in the inputs (cast where dtypes differ)."""
     out, itemsize = TensorRef.empty(tensor.shape, tensor.dtype), tensor.dtype.itemsize
     for run in tensor.runs:
-        src = _resolve(inputs[run.input].structure, run.path)  # contiguous: checked while planning
+        src = resolve(inputs[run.input].structure, run.path)  # contiguous: checked while planning
         source, offset = src.storage.locate(src.storage_offset + run.start)
         out.storage.copies.append(Copy(source, offset, run.offset * itemsize, run.length, src.dtype, run.count,
                                        run.stride * src.dtype.itemsize, run.pitch * itemsize))

@@ -5,12 +5,12 @@ and type checkers, not runtime validation (that is in `layout` and `optim`).
 """
 from __future__ import annotations
 
-from typing import Any, TypedDict
+from typing import Any, Sequence, TypedDict
 
 from metaseq.torchzip import Size, TensorRef
 
 __all__ = ["Checkpoint", "FlatOptimizerState", "InstanceMetadata", "ParamMetadata", "ShardMetadata", "clean_key",
-           "is_tensor", "join_key"]
+           "is_tensor", "join_key", "resolve"]
 
 WRAPPER_SEGMENTS = frozenset({"_fsdp_wrapped_module", "_fpw_module"})
 OPTIM = "last_optimizer_state"
@@ -72,3 +72,10 @@ def join_key(prefix: str, name: str) -> str:
 def is_tensor(value: Any) -> bool:
     """A tensor of a checkpoint as `metaseq.torchzip` reads it."""
     return type(value) is TensorRef
+
+
+def resolve(obj: Any, path: Sequence[Any]) -> Any:
+    """The value at `path` (keys from the checkpoint's dict down), e.g. ("model", "flat_param_0")."""
+    for key in path:
+        obj = obj[key]
+    return obj

@@ -100,7 +100,7 @@ def _write_one(job: Job, crc32: bool, report: object) -> int:
             raise ReshardError(f"{item.path} changed while resharding (size or time differ from planning); rerun")
     obj = assemble_output(job.plan, job.out)
     try:
-        with atomic_output(job.out.path) as (f, _):
+        with atomic_output(job.out.path) as f:
             return write_checkpoint(f.fileno(), obj, crc32=crc32, report=report)
     except OSError as e:
         raise ReshardError(f"{job.out.path}: cannot write ({e.strerror or e})") from e
