@@ -204,7 +204,8 @@ def _compare_tensors(a: TensorSet, b: TensorSet, which: str, result: Comparison,
 def _compare_optim_values(va: Mapping[str, Any], vb: Mapping[str, Any], result: Comparison) -> int:
     common = _common(va, vb, "optimizer ", result)
     for key in (k for k in common if not _same_value(va[k], vb[k])):
-        result.differences.append(Difference(f"optimizer {key}", f"{short_repr(va[key], 60)} vs {short_repr(vb[key], 60)}"))
+        shown = " vs ".join(short_repr(value, 60) for value in (va[key], vb[key]))
+        result.differences.append(Difference(f"optimizer {key}", shown))
     return len(common)
 
 

@@ -190,9 +190,9 @@ def _check_same_params(ref: Sequence[FlatParam], other: Sequence[FlatParam], ref
     for a, b in zip(ref, other):
         if a != b:
             field = next(f.name for f in dataclasses.fields(FlatParam) if getattr(a, f.name) != getattr(b, f.name))
+            theirs, ours = (short_repr(getattr(fp, field), 80) for fp in (b, a))
             raise ReshardError(f"{label}: shard_metadata disagrees with {ref_label} on the {field} of flat parameter "
-                               f"'{a.key}' ({short_repr(getattr(b, field), 80)} vs {short_repr(getattr(a, field), 80)}); the shards "
-                               "come from different models or runs")
+                               f"'{a.key}' ({theirs} vs {ours}); the shards come from different models or runs")
 
 
 def _parse_ties(meta: ShardMetadata, flat_params: Sequence[FlatParam], label: str) -> tuple[tuple[str, str], ...]:

@@ -175,7 +175,8 @@ def expand_model_parts(input_glob_pattern: str, output_shard_name: str) -> list[
     return [(input_glob_pattern.replace(PART, j), output_shard_name.replace(PART, j)) for j in sorted(found, key=int)]
 
 
-def output_paths(output_shard_name: str, num_output_shards: int, inputs: Sequence[str], *, overwrite: bool) -> list[str]:
+def output_paths(output_shard_name: str, num_output_shards: int, inputs: Sequence[str], *,
+                 overwrite: bool) -> list[str]:
     """`{i}` in the name becomes the output shard index; names must read back in order, never clobber inputs."""
     if num_output_shards > 1 and "{i}" not in output_shard_name:
         raise ReshardError(
@@ -265,7 +266,8 @@ def analyze_inputs(structures: Sequence[Mapping[str, Any]], labels: Sequence[str
         )
     extra_state = structures[0].get("extra_state")
     if options.drop_metaseq_req and extra_state is not None and not isinstance(extra_state, Mapping):
-        raise ReshardError(f"{labels[0]}: extra_state is a {type(extra_state).__name__}, not a dict; drop --drop-metaseq-req")
+        raise ReshardError(f"{labels[0]}: extra_state is a {type(extra_state).__name__}, not a dict; "
+                           "drop --drop-metaseq-req")
     return Source(model, optim)
 
 
