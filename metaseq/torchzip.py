@@ -10,10 +10,11 @@ protocol-2 pickle in `archive/data.pkl`, one stored zip record per storage, reco
 aligned to 64 bytes (what `torch.load(mmap=True)` expects), zip64 where sizes need it.
 
 The unpickler resolves only the format's own globals (tensor rebuilding, storage types,
-`torch.Size`, dtypes, `OrderedDict`). Any other (a `Namespace`) is never imported or
-called but kept as an `Opaque`, which the writer pickles back the same way (a loader that
-has the class gets an equal object). What this reader cannot take (torch's legacy format,
-big-endian data) raises `NeedsTorch`: load it with torch and pass it to `from_torch`.
+`torch.Size`, dtypes, `OrderedDict`). Any other (a `Namespace`, a class of a package this
+one lacks) is never imported or called but kept as an `Opaque`, which the writer pickles
+back the same way (a loader that has the class gets an equal object). What this reader
+cannot take (torch's legacy format, big-endian data) raises `NeedsTorch`: load it with
+torch and pass it to `from_torch`.
 """
 from __future__ import annotations
 
