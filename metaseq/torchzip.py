@@ -303,8 +303,8 @@ def check_record(source: str | bytes, name: str, record: Record, *, keep: bool =
     offset, size, crc = record
     data = bytes(read_at(source, offset, size)) if keep else b""
     found = zlib.crc32(data)
-    for start in range(0, size, CHUNK_BYTES) if crc and not keep else ():
-        found = zlib.crc32(read_at(source, offset + start, min(CHUNK_BYTES, size - start), reuse=True), found)
+    for start in range(0, size, WINDOW_BYTES) if crc and not keep else ():  # windows: the thread's buffer reused
+        found = zlib.crc32(read_at(source, offset + start, min(WINDOW_BYTES, size - start), reuse=True), found)
     if crc and found != crc:
         raise _corrupt(source, f"record {name} fails its CRC32 check")
     return data
