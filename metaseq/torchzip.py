@@ -26,6 +26,7 @@ import errno
 import functools
 import io
 import math
+import mmap
 import os
 import pickle
 import struct
@@ -435,12 +436,13 @@ _THREAD = threading.local()
 
 def _thread_buffer(name: str, size: int) -> memoryview:
     """`size` bytes of this thread's WINDOW_BYTES buffer `name`, reused from call to call (a fresh
-    buffer for every window would cost a page fault per page); a fresh one if larger."""
+    buffer for every window would cost a page fault per page); a fresh one if larger. It is an anonymous
+    mmap, so only the pages used become resident, and they go back to the system with the thread."""
     if size > WINDOW_BYTES:
         return memoryview(bytearray(size))
     buffer = getattr(_THREAD, name, b"")
     if len(buffer) != WINDOW_BYTES:
-        buffer = bytearray(WINDOW_BYTES)
+        buffer = mmap.mmap(-1, WINDOW_BYTES)
         setattr(_THREAD, name, buffer)
     return memoryview(buffer)[:size]
 
@@ -637,9 +639,9 @@ def write_checkpoint(fd: int, obj: Any, *, archive: str = "archive", crc32: bool
         finally:
             os.close(src)
     for entry in entries:
-        for start in range(0, entry.size, CHUNK_BYTES) if crc32 and entry.storage else ():
-            chunk = os.pread(fd, min(CHUNK_BYTES, entry.size - start), entry.data_offset + start)
-            entry.crc = zlib.crc32(chunk, entry.crc)
+        for start in range(0, entry.size, WINDOW_BYTES) if crc32 and entry.storage else ():  # as in check_record
+            chunk = _thread_buffer("read", min(WINDOW_BYTES, entry.size - start))
+            entry.crc = zlib.crc32(chunk[: os.preadv(fd, [chunk], entry.data_offset + start)], entry.crc)
         pwrite_all(fd, _header(entry) + entry.data, entry.header_offset)
     cd = b"".join(_header(e, central=True) for e in entries)
     tail = cd + _end_records(len(entries), offset, len(cd))
