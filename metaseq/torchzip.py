@@ -236,13 +236,14 @@ class Record(NamedTuple):
     crc: int  # as the zip directory says; 0 when the writer stored none
 
 
-def read_at(source: str | bytes | memoryview, offset: int, size: int, *, reuse: bool = False) -> bytearray | memoryview:
-    """`size` bytes at `offset` of a file (by path) or of bytes in memory; a file's in a new buffer, or with
-    `reuse` in this thread's read buffer (see `_thread_buffer`), valid until the thread's next such read."""
-    if not isinstance(source, str):
+def read_at(source: str | int | bytes | memoryview, offset: int, size: int, *,
+            reuse: bool = False) -> bytearray | memoryview:
+    """`size` bytes at `offset` of a file (by path, or an open descriptor) or of bytes in memory; a file's in a new
+    buffer, or with `reuse` in this thread's read buffer (see `_thread_buffer`), valid until its next such read."""
+    if not isinstance(source, (str, int)):
         return memoryview(source)[offset : offset + size]
     out = _thread_buffer("read", size) if reuse else bytearray(size)
-    with open(source, "rb") as f:
+    with open(source, "rb", closefd=isinstance(source, str)) as f:
         pos = 0
         while pos < size:
             n = os.preadv(f.fileno(), [memoryview(out)[pos:]], offset + pos)
@@ -640,8 +641,8 @@ def write_checkpoint(fd: int, obj: Any, *, archive: str = "archive", crc32: bool
             os.close(src)
     for entry in entries:
         for start in range(0, entry.size, WINDOW_BYTES) if crc32 and entry.storage else ():  # as in check_record
-            chunk = _thread_buffer("read", min(WINDOW_BYTES, entry.size - start))
-            entry.crc = zlib.crc32(chunk[: os.preadv(fd, [chunk], entry.data_offset + start)], entry.crc)
+            window = read_at(fd, entry.data_offset + start, min(WINDOW_BYTES, entry.size - start), reuse=True)
+            entry.crc = zlib.crc32(window, entry.crc)
         pwrite_all(fd, _header(entry) + entry.data, entry.header_offset)
     cd = b"".join(_header(e, central=True) for e in entries)
     tail = cd + _end_records(len(entries), offset, len(cd))
