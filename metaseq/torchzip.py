@@ -304,12 +304,18 @@ def check_record(source: str | bytes, name: str, record: Record, *, keep: bool =
     """Read a record and check it against its CRC32 (unless the writer stored none); its bytes if `keep`."""
     offset, size, crc = record
     data = bytes(read_at(source, offset, size)) if keep else b""
-    found = zlib.crc32(data)
-    for start in range(0, size, WINDOW_BYTES) if crc and not keep else ():  # windows: the thread's buffer reused
-        found = zlib.crc32(read_at(source, offset + start, min(WINDOW_BYTES, size - start), reuse=True), found)
-    if crc and found != crc:
+    if crc and crc != (zlib.crc32(data) if keep else _crc32_at(source, offset, size)):
         raise _corrupt(source, f"record {name} fails its CRC32 check")
     return data
+
+
+def _crc32_at(source: str | int | bytes | memoryview, offset: int, size: int) -> int:
+    """The CRC32 of `size` bytes at `offset` (a source as `read_at` takes), read in WINDOW_BYTES windows
+    through this thread's reused buffer."""
+    found = 0
+    for start in range(0, size, WINDOW_BYTES):
+        found = zlib.crc32(read_at(source, offset + start, min(WINDOW_BYTES, size - start), reuse=True), found)
+    return found
 
 
 def _rebuild_tensor(storage: Storage, storage_offset: int, size: tuple, stride: tuple, requires_grad: bool,
@@ -640,9 +646,8 @@ def write_checkpoint(fd: int, obj: Any, *, archive: str = "archive", crc32: bool
         finally:
             os.close(src)
     for entry in entries:
-        for start in range(0, entry.size, WINDOW_BYTES) if crc32 and entry.storage else ():  # as in check_record
-            window = read_at(fd, entry.data_offset + start, min(WINDOW_BYTES, entry.size - start), reuse=True)
-            entry.crc = zlib.crc32(window, entry.crc)
+        if crc32 and entry.storage:
+            entry.crc = _crc32_at(fd, entry.data_offset, entry.size)
         pwrite_all(fd, _header(entry) + entry.data, entry.header_offset)
     cd = b"".join(_header(e, central=True) for e in entries)
     tail = cd + _end_records(len(entries), offset, len(cd))
