@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from metaseq.errors import ReshardError, UserError
-from metaseq.file_io import find_model_parts, find_shards, load_checkpoint
+from metaseq.file_io import find_model_parts, find_shards, load_checkpoint, summarize_paths
 from metaseq.reshard.layout import ModelLayout, ParamDict, analyze_model, output_cuts, output_metadata
 from metaseq.reshard.optim import (OptimLayout, analyze_optimizer, assemble_consolidated_optimizer,
                                    assemble_flat_optimizer, check_per_rank_state, optimizer_targets)
@@ -193,8 +193,7 @@ def output_paths(output_shard_name: str, num_output_shards: int, inputs: Sequenc
             raise ReshardError(f"--output-shard-name: {path} is a directory; give a file name")
     existing = [p for p in outputs if os.path.exists(p)]
     if existing and not overwrite:
-        shown = ", ".join(existing[:3]) + (f", ... ({len(existing)} files)" if len(existing) > 3 else "")
-        raise ReshardError(f"{shown} already exist(s); pass --overwrite to replace")
+        raise ReshardError(f"{summarize_paths(existing)} already exist(s); pass --overwrite to replace")
     return outputs
 
 
