@@ -139,6 +139,15 @@ def _bad_numel(shards: list[dict[str, Any]]) -> None:
     _meta(shards[3], 2)["numels"][0] = 4
 
 
+def _untied_flat_key(shards: list[dict[str, Any]]) -> None:
+    shards[1]["model"]["_fsdp_wrapped_module.flat_param_0"] = shards[1]["model"]["flat_param_0"]
+
+
+def _tie_to_nothing(shards: list[dict[str, Any]]) -> None:
+    for shard in shards:
+        shard["shard_metadata"]["param_metadata"][0]["shared_param_info"] = [("nope.weight", "decoder.foo.weight")]
+
+
 @pytest.mark.parametrize(
     "spoil, culprit, words",
     [
@@ -146,9 +155,17 @@ def _bad_numel(shards: list[dict[str, Any]]) -> None:
         (_rename, 2, "disagrees with"),
         (_transpose, 2, "on the shapes of flat parameter 'flat_param_0'"),
         (_bad_numel, 3, "'decoder.layers.1.scale' has shape [3] but numel 4"),
+        (lambda s: s[1].__setitem__("shard_metadata", {"buffer_names": []}), 1, "has no 'param_metadata' list"),
+        (lambda s: _meta(s[1], 0).pop("names"), 1, "malformed shard_metadata (KeyError: 'names')"),
+        (lambda s: _meta(s[0], 0)["names"].append("x.weight"), 0, "'flat_param_0' has 4 names, 3 shapes, 3 numels"),
+        (_tie_to_nothing, 0, "ties 'decoder.foo.weight' to 'nope.weight', which no flat parameter holds"),
+        (_untied_flat_key, 1, "keys 'flat_param_0' and '_fsdp_wrapped_module.flat_param_0' both mean 'flat_param_0'"),
+        (lambda s: s[2]["model"].pop("decoder.layers.0.flat_param_0"), 2,
+         "model has no 'decoder.layers.0.flat_param_0' (nor original parameter names such as 'decoder.layers.0.fc1"),
     ],
 )
-def test_metadata_disagreeing_across_shards(tmp_path, capsys, spoil: Spoil, culprit: int, words: str) -> None:
+def test_metadata_malformed_or_disagreeing_across_shards(tmp_path, capsys, spoil: Spoil, culprit: int,
+                                                         words: str) -> None:
     line = _fails(tmp_path, capsys, _args(_write(tmp_path, spoil), tmp_path))
     assert SHARD.format(culprit) in line and words in line
 
@@ -187,6 +204,26 @@ def test_flat_tensor_disagreeing_with_metadata_and_padding(tmp_path, capsys, spo
     assert words in line
 
 
+def _strided(tensor: torch.Tensor) -> torch.Tensor:
+    """The same values, every other element of a storage twice as long."""
+    return torch.stack([tensor, tensor], dim=-1)[..., 0]
+
+
+@pytest.mark.parametrize(
+    "spoil, words",
+    [
+        (lambda s: s[1]["model"].__setitem__("flat_param_0", _strided(s[1]["model"]["flat_param_0"])),
+         f"{SHARD.format(1)}: model.flat_param_0 is a view of another tensor's storage"),
+        (lambda s: _osd(s[2])["state"][1].__setitem__("exp_avg", _strided(_osd(s[2])["state"][1]["exp_avg"])),
+         f"{SHARD.format(2)}: last_optimizer_state.state.1.exp_avg is a view of another tensor's storage"),
+        (lambda s: [r["model"].__setitem__("decoder.layers.0.position_ids", _strided(r["model"]["decoder.layers.0.position_ids"]))
+                    for r in s], f"{SHARD.format(0)}: model.decoder.layers.0.position_ids is a view"),
+    ],
+)
+def test_tensor_that_is_a_strided_view_is_refused(tmp_path, capsys, spoil: Spoil, words: str) -> None:
+    assert words in _fails(tmp_path, capsys, _args(_write(tmp_path, spoil), tmp_path, "--num-output-shards", "3"))
+
+
 # --- optimizer state that does not match the flat parameters -------------------------------------
 
 
@@ -204,11 +241,42 @@ def _osd(shard: dict[str, Any]) -> dict[str, Any]:
         (lambda s: _osd(s[3])["state"][0].__setitem__("exp_avg", torch.zeros(5)),
          "state[0]['exp_avg'] has shape [5] but flat parameter 'flat_param_0' has 7 elements"),
         (lambda s: s[0].__setitem__("last_optimizer_state", {"momentum": 1}), "pass --skip-optimizer-state"),
+        (lambda s: [_osd(r).__setitem__("param_id_map", {0: 0}) for r in s],
+         f"{SHARD.format(0)}: holds consolidated optimizer state (param_id_map) but is one of several shards"),
     ],
 )
 def test_optimizer_state_not_matching_flat_parameters(tmp_path, capsys, spoil: Spoil, words: str) -> None:
     line = _fails(tmp_path, capsys, _args(_write(tmp_path, spoil), tmp_path))
     assert words in line
+
+
+def _consolidated_osd(shard: dict[str, Any]) -> dict[str, Any]:
+    """The optimizer state of an unflattened file: one entry per original parameter, by its global id."""
+    assert set(shard["last_optimizer_state"]["param_id_map"]) == set(range(8))
+    return shard["last_optimizer_state"]
+
+
+@pytest.mark.parametrize(
+    "spoil, words",
+    [
+        (lambda c: _consolidated_osd(c).__setitem__("uncollected_local_ids", [3]),
+         "last_optimizer_state has uncollected_local_ids (no_broadcast_optim_state); not supported"),
+        (lambda c: _consolidated_osd(c)["param_id_map"].__setitem__(0, 2),
+         "param_id_map maps parameter 0 to flat parameter 2, expected 0"),
+        (lambda c: _consolidated_osd(c)["state"].__setitem__(99, {}), "state has id 99 but shard_metadata lists 8"),
+        (lambda c: _consolidated_osd(c)["state"].pop(1), "state lacks parameters [1] of flat parameter 'flat_param_0'"),
+        (lambda c: _consolidated_osd(c)["state"][0].__setitem__("exp_avg", torch.zeros(2)),
+         "state[0]['exp_avg'] has shape [2] but parameter 'decoder.embed_tokens.weight' has shape [7, 3]"),
+    ],
+)
+def test_consolidated_optimizer_state_not_matching_the_parameters(tmp_path, capsys, spoil, words: str) -> None:
+    path = tmp_path / "consolidated.pt"
+    assert main(["--input", _write(tmp_path), "--output", str(path), "--unflatten-weights", "--quiet"]) == 0
+    consolidated = torch.load(path, weights_only=False)
+    spoil(consolidated)
+    torch.save(consolidated, path)
+    line = _fails(tmp_path, capsys, _args(str(path), tmp_path, "--num-output-shards", "2"))
+    assert line.startswith(f"ERROR: {path}: ") and words in line
 
 
 # --- unreadable files ----------------------------------------------------------------------------
@@ -284,12 +352,33 @@ def test_existing_output_is_not_overwritten_without_flag(tmp_path: Path, capsys)
         (["--num-output-shards", "two"], "--num-output-shards: invalid int value: 'two'"),
         (["--output-dtype", "fp8"], "--output-dtype: invalid choice: 'fp8'"),
         (["--unflatten-weights", "maybe"], "expected True or False, got 'maybe'"),
+        (["--num-workers", "0"], "argument --num-workers: must be at least 1, got 0"),
     ],
 )
 def test_bad_options(tmp_path: Path, capsys, extra: list[str], words: str) -> None:
     pattern = _write(tmp_path)
     extra = [str(tmp_path / "out" / "one.pt") if e == "OUT/one.pt" else e for e in extra]
     assert words in _fails(tmp_path, capsys, _args(pattern, tmp_path, *extra))
+
+
+@pytest.mark.parametrize("output", ["o/{i}/../s.pt", "o/s{i}.pt/../s.pt"])
+def test_output_names_that_alias_one_file(tmp_path: Path, capsys, output: str) -> None:
+    argv = ["--input", _write(tmp_path), "--output", str(tmp_path / output), "--num-output-shards", "3"]
+    first, second = (str(tmp_path / output.replace("{i}", str(i))) for i in (0, 1))
+    assert f"{first} and {second} are the same file; give each output a file name of its own" in _fails(
+        tmp_path, capsys, argv)
+
+
+def test_model_part_output_aliasing_another_part_or_its_input(tmp_path: Path, capsys) -> None:
+    pattern = _write(tmp_path).replace("model_part-0", "model_part-{j}")
+    write_shards(make_shards(make_model(), 4), tmp_path / "ckpts", part=1)
+    same = ["--output", str(tmp_path / "o" / "{j}" / ".." / "s{i}.pt")]
+    line = _fails(tmp_path, capsys, ["--input", pattern, *same])
+    assert f"{tmp_path}/o/0/../s0.pt and {tmp_path}/o/1/../s0.pt are the same file" in line
+    (tmp_path / "x0").symlink_to(tmp_path / "ckpts")  # part 0 would write over part 1's inputs
+    over = ["--output", str(tmp_path / "x{j}" / SHARD.replace("-0-", "-1-").format("{i}")), "--overwrite"]
+    line = _fails(tmp_path, capsys, ["--input", pattern, "--num-output-shards", "4", *over])
+    assert f"{tmp_path}/x0/{SHARD.replace('-0-', '-1-').format(0)} is also an input; write to another name" in line
 
 
 def test_unflattened_file_given_with_shards(tmp_path: Path, capsys) -> None:

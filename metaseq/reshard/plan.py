@@ -80,21 +80,26 @@ def plan_reshard(options: ReshardOptions) -> list[Plan]:
     """One plan per model part (`{j}` in both names, else one; with `num_output_parts`, one plan from every part's
     inputs to Q x M outputs); raises before anything is written."""
     if options.num_output_parts is not None:
-        return [plan_model_parallel(options)]
-    plans = []
-    for pattern, name in expand_model_parts(options.input_glob_pattern, options.output_shard_name):
-        try:
-            inputs = find_shards(pattern)
-        except UserError as e:
-            raise ReshardError(str(e)) from None
-        logger.info("found %d input shard(s) matching %r", len(inputs), pattern)
-        outputs = output_paths(name, options.num_output_shards, inputs, overwrite=options.overwrite)
-        plans.append(plan_structures(read_inputs(inputs, trust=options.trust_checkpoint), options, outputs))
-    seen: set[str] = set()
+        plans = [plan_model_parallel(options)]
+    else:
+        parts = []
+        for pattern, name in expand_model_parts(options.input_glob_pattern, options.output_shard_name):
+            try:
+                parts.append((find_shards(pattern), name))
+            except UserError as e:
+                raise ReshardError(str(e)) from None
+            logger.info("found %d input shard(s) matching %r", len(parts[-1][0]), pattern)
+        every_input = [path for inputs, _ in parts for path in inputs]  # no part may write over another's
+        plans = [plan_structures(read_inputs(inputs, trust=options.trust_checkpoint), options,
+                                 output_paths(name, options.num_output_shards, every_input, overwrite=options.overwrite))
+                 for inputs, name in parts]
+    seen: dict[str, str] = {}  # names can alias one file ('o/{i}/../s.pt', links): by real path
     for path in (out.path for plan in plans for out in plan.outputs):
-        if path in seen:
-            raise ReshardError(f"--output-shard-name: {path} would be written for two model parts; use '{PART}'")
-        seen.add(path)
+        real = os.path.realpath(path)
+        if real in seen:
+            raise ReshardError(f"--output-shard-name: {seen[real]} and {path} are the same file; give each output a "
+                               "file name of its own")
+        seen[real] = path
     return plans
 
 
