@@ -102,6 +102,9 @@ def test_plain_state_dicts_from_other_tools(ckpts: Path, tmp_path: Path, capsys)
     for name in ("wrapped.pt", "bare.pt"):
         rc, out = _compare(capsys, _glob(ckpts), str(tmp_path / name), "--skip-optimizer-state")
         assert rc == 0 and "a plain state dict" in out, out
+    torch.save({"model": state_dict, "last_optimizer_state": {"state": {0: {}}}}, tmp_path / "with_optim.pt")
+    rc, out = _compare(capsys, str(tmp_path / "with_optim.pt"), str(tmp_path / "bare.pt"))
+    assert rc == 0 and "with_optim.pt has no shard_metadata, so its optimizer state ids cannot be matched" in out
     del state_dict["decoder.layers.1.scale"]
     state_dict["decoder.layer_norm.bias"] = torch.zeros(4)
     torch.save(state_dict, tmp_path / "other.pt")
@@ -119,13 +122,18 @@ def test_plain_state_dicts_from_other_tools(ckpts: Path, tmp_path: Path, capsys)
         (["CKPTS"], "the following arguments are required: B"),
         (["CKPTS", "GARBAGE"], "garbage.pt: cannot read checkpoint"),
         (["NOMETA", "CKPTS"], "nometa.pt: no 'shard_metadata'; it has flat_param_* keys"),
+        (["CKPTS", "NOTENSORS"], "notensors.pt: neither FSDP shards nor a state dict (no 'model' dict of tensors)"),
+        (["VIEW", "CKPTS"], "view.pt: model['w'] is a non-contiguous view; cannot compare it"),
     ],
 )
 def test_errors_are_one_line_with_exit_2(ckpts: Path, tmp_path: Path, capsys, argv: list[str], words: str) -> None:
     (tmp_path / "garbage.pt").write_bytes(b"\x80\x02junk")
     torch.save({"model": make_shards(make_model(), 1)[0]["model"]}, tmp_path / "nometa.pt")
+    torch.save({"step": 3}, tmp_path / "notensors.pt")
+    torch.save({"model": {"w": torch.zeros(3, 4).t()}}, tmp_path / "view.pt")
     names = {"NONE": str(tmp_path / "none*.pt"), "CKPTS": _glob(ckpts), "GARBAGE": str(tmp_path / "garbage.pt"),
-             "NOMETA": str(tmp_path / "nometa.pt")}
+             "NOMETA": str(tmp_path / "nometa.pt"), "NOTENSORS": str(tmp_path / "notensors.pt"),
+             "VIEW": str(tmp_path / "view.pt")}
     assert main([names.get(a, a) for a in argv]) == 2
     captured = capsys.readouterr()
     assert captured.out == "" and "Traceback" not in captured.err

@@ -206,12 +206,29 @@ def test_missing_part_is_named(tmp_path, capsys):
     assert "model_part-1 is missing" in err and "model_parallel_size" in err
 
 
+def test_stray_file_and_gap_between_parts_are_named(tmp_path, capsys):
+    _write_parts(tmp_path, 2, 1)
+    (tmp_path / OUT.format(j=1, i=0)).rename(tmp_path / OUT.format(j=2, i=0))
+    torch.save({"model": {}}, tmp_path / "stray.pt")
+    err = _fails(capsys, tmp_path, "--num-output-parts", "1")
+    assert f"{tmp_path / 'stray.pt'}: no model part ('model_part-J') in its name; narrow --input-glob-pattern" in err
+    (tmp_path / "stray.pt").unlink()
+    assert "model_part-1 is missing: --input-glob-pattern" in _fails(capsys, tmp_path, "--num-output-parts", "1")
+
+
 def test_parts_with_other_shard_counts_are_refused(tmp_path, capsys):
     _write_parts(tmp_path, 2, 2)
     part1 = make_shards(make_model(), 3)
     write_shards(part1[2:], tmp_path / "extra")
     (tmp_path / "extra" / OUT.format(j=0, i=0)).rename(tmp_path / OUT.format(j=0, i=2))
     assert "model_part-1 has 2 shard files, other parts 3" in _fails(capsys, tmp_path, "--num-output-parts", "1")
+
+
+def test_parts_of_different_models_are_refused(tmp_path, capsys):
+    _write_parts(tmp_path, 2, 1)
+    write_shards(make_shards(make_model(), 1), tmp_path, part=1)  # another model's parameters
+    err = _fails(capsys, tmp_path, "--num-output-parts", "1")
+    assert f"{tmp_path / OUT.format(j=1, i=0)}: model part 1 has other parameters than part 0" in err
 
 
 def test_shapes_that_contradict_the_rules_are_refused(tmp_path, capsys):
