@@ -94,9 +94,12 @@ def find_model_parts(pattern: str, *, flag: str = "--input-glob-pattern") -> lis
 
 
 def _glob_files(pattern: str, flag: str) -> list[str]:
-    paths = sorted((p for p in glob.glob(pattern) if os.path.isfile(p)), key=natural_sort_key)
+    expanded = os.path.expanduser(pattern)  # '~' as the shell would, also when quoted
+    paths = sorted((p for p in glob.glob(expanded) if os.path.isfile(p)), key=natural_sort_key)
     if not paths:
-        raise UserError(f"{flag} {pattern!r} matches no files")
+        example = os.path.join(pattern, "checkpoint_last-model_part-0-shard*.pt")
+        hint = f"; it is a folder: give a pattern of its files, e.g. {example!r}" if os.path.isdir(expanded) else ""
+        raise UserError(f"{flag} {pattern!r} matches no files{hint}")
     return paths
 
 

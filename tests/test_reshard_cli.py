@@ -114,6 +114,15 @@ def test_bare_output_file_name_writes_to_working_directory(shard_dir: Path, tmp_
     assert "decoder.layers.0.fc_tied.weight" in load_checkpoint(tmp_path / "consolidated.pt")["model"]
 
 
+def test_quoted_tilde_means_the_home_folder_in_both_names(shard_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(shard_dir)
+    assert main(["--input", "~/ckpts/checkpoint_last-model_part-0-shard*.pt", "--output", "~/out/s{i}.pt",
+                 "--num-output-shards", "2", "--quiet"]) == 0
+    assert _files(tmp_path / "out") == {"s0.pt", "s1.pt"} and not (shard_dir / "~").exists()
+    assert find_shards("~/out/s*.pt") == [str(tmp_path / "out" / f"s{i}.pt") for i in range(2)]
+
+
 def test_overwrite_replaces_an_existing_output(shard_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "o.pt"
     out.write_bytes(b"keep me")

@@ -59,6 +59,8 @@ def _meta(shard: dict[str, Any], instance: int) -> dict[str, Any]:
 def test_glob_matching_nothing(tmp_path: Path, capsys) -> None:
     line = _fails(tmp_path, capsys, _args(str(tmp_path / "nope-shard*.pt"), tmp_path))
     assert "--input-glob-pattern" in line and "nope-shard*.pt" in line and "matches no files" in line
+    line = _fails(tmp_path, capsys, _args(str(tmp_path), tmp_path))
+    assert f"'{tmp_path}' matches no files; it is a folder: give a pattern of its files, e.g. '{tmp_path}/chec" in line
 
 
 def test_files_from_two_model_parts(tmp_path: Path, capsys) -> None:

@@ -5,6 +5,7 @@ The command line fills it by field name (flag `--num-output-shards` is field
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
@@ -36,6 +37,8 @@ class ReshardOptions:
     quiet: bool = False  # no progress
 
     def __post_init__(self) -> None:
+        for name in ("input_glob_pattern", "output_shard_name"):  # '~' as the shell would, also when quoted
+            object.__setattr__(self, name, os.path.expanduser(getattr(self, name)))
         if not isinstance(self.num_output_shards, int) or self.num_output_shards < 1:
             raise ReshardError(f"--num-output-shards={self.num_output_shards}: must be at least 1")
         if self.unflatten_weights and self.num_output_shards != 1:
