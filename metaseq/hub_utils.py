@@ -98,6 +98,7 @@ def resolve_checkpoint_files(path: str) -> tuple[list[str], bool]:
     An existing file is taken as consolidated; a glob pattern or a stem such as
     `DIR/checkpoint_last.pt` (for `DIR/checkpoint_last-model_part-0-shard*.pt`) names shards.
     """
+    path = os.path.expanduser(path)  # '~' as the shell would, also when quoted
     if _GLOB_CHARS.search(path) is None and os.path.isfile(path):
         return [path], False
     pattern = path if _GLOB_CHARS.search(path) else shard_glob(path)
@@ -117,6 +118,7 @@ def load_inference_checkpoint(path: str, *, trust: bool = False) -> dict[str, An
     Shards are consolidated by the reshard tool into a temporary file (bounded memory),
     which is then loaded like a consolidated file.
     """
+    path = os.path.expanduser(path)
     parts = _model_parts_pattern(path)
     files, sharded = ([], True) if parts else resolve_checkpoint_files(path)
     if not sharded:

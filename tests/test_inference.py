@@ -107,6 +107,14 @@ def test_shards_load_by_stem_glob_and_single_shard_path(resharded):
         GeneratorInterface.from_checkpoint(str(dirs[8] / "checkpoint_last-model_part-0-shard3.pt"))
 
 
+def test_quoted_tilde_in_path_means_the_home_folder(resharded, monkeypatch):
+    dirs, consolidated = resharded
+    monkeypatch.setenv("HOME", str(consolidated.parent))
+    by_file = load_inference_checkpoint(f"~/{consolidated.name}")
+    by_stem = load_inference_checkpoint(f"~/{dirs[8].name}/checkpoint_last.pt")
+    assert set(by_file["model"]) == set(by_stem["model"]) and "decoder.output_projection.weight" in by_file["model"]
+
+
 def test_flat_consolidated_file_error_lists_keys_and_suggests_unflatten(resharded, tmp_path):
     dirs, _ = resharded
     flat = tmp_path / "flat.pt"
