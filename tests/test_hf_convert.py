@@ -74,6 +74,17 @@ def test_hf_to_ours_to_hf_is_bit_identical(tmp_path, dtype):
     assert not info["missing_keys"] and not info["unexpected_keys"], info
 
 
+def test_quoted_tilde_means_the_home_folder_both_ways(tmp_path, monkeypatch):
+    make_hf_model(tmp_path / "hf")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path / "hf")
+    assert convert_from_hf.main(["--input", "~/hf", "--output-shard-name", "~/w2/" + SHARDS,
+                                 "--num-output-shards", "2", "-q"]) == 0
+    assert convert_to_hf.main(["--input", "~/w2/" + SHARDS.replace("{i}", "*"), "--output", "~/back", "-q"]) == 0
+    assert_same_tensors(hf_tensors(tmp_path / "hf"), hf_tensors(tmp_path / "back"))
+    assert not (tmp_path / "hf" / "~").exists()
+
+
 def test_hf_to_three_raw_shards_resharded_to_one_back_to_hf_is_bit_identical(tmp_path):
     make_hf_model(tmp_path / "hf")
     shards = str(tmp_path / "w3" / SHARDS)

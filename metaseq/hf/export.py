@@ -48,6 +48,7 @@ def convert_to_hf(input_path: str, output_dir: str | os.PathLike, *, overwrite: 
     Raises ConversionError (or CheckpointLoadError/ReshardError) before writing anything
     when the input cannot be converted: old-variant or OPT-350m models, unknown weights.
     """
+    input_path, output_dir = os.path.expanduser(input_path), os.path.expanduser(output_dir)  # a quoted '~' too
     check_output_directory(output_dir, overwrite=overwrite)
     require("safetensors")
     with tempfile.TemporaryDirectory(prefix="metaseq-to-hf-") as tmp:

@@ -48,6 +48,7 @@ def convert_from_hf(
 
     Everything (folder, config, weights, output names) is checked before anything is written.
     """
+    input_dir, output_shard_name = os.path.expanduser(input_dir), os.path.expanduser(output_shard_name)  # quoted '~'
     outputs = _output_paths(output_shard_name, num_output_shards, unflatten_weights, overwrite)
     hf_cfg, state = read_hf_folder(input_dir)
     ckpt = checkpoint_from_hf(hf_cfg, state, source=str(input_dir))
