@@ -1,5 +1,6 @@
 """Foundation: real fairscale FSDP training on CPU/gloo writes FORMAT.md shards."""
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -97,6 +98,17 @@ def test_resume_continues_exactly_like_uninterrupted_run(trained, tmp_path):
     for x, y in zip(a, b):
         for key in FLAT_KEYS:
             torch.testing.assert_close(x["model"][key], y["model"][key], rtol=0, atol=1e-6)
+
+
+def test_quoted_tilde_in_paths_means_the_home_folder(trained, tmp_path, monkeypatch):
+    save_dir, uninterrupted = trained[1]
+    (tmp_path / "run").symlink_to(save_dir)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    proc = run_train(Path("~/resumed"), world_size=1, max_update=TRAIN_UPDATES,
+                     extra=["--restore-file", "~/run/checkpoint_4.pt"])
+    assert sorted(losses(proc)) == [5, 6] and abs(losses(proc)[6] - uninterrupted[6]) < 1e-5
+    assert (tmp_path / "resumed" / "checkpoint_last-model_part-0-shard0.pt").is_file()
+    assert not Path("~").exists()
 
 
 def test_resume_with_other_world_size_names_reshard_tool(trained, tmp_path):

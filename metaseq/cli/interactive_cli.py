@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from typing import Iterator, TextIO
 
@@ -45,9 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=d.seed, help="with --sampling")
     p.add_argument("--no-stop-at-newline", dest="stop_at_newline", action="store_false", help="continue past newlines; stop only at EOS")
     p.add_argument("--trust-checkpoint", action="store_true", help="let torch.load run the classes of legacy-format (non-zip) files; trusted files only")
-    p.add_argument("--vocab-filename", default=None, help="real OPT: metaseq's GPT-2 BPE vocabulary (gpt2-vocab.json)")
-    p.add_argument("--merges-filename", default=None, help="real OPT: the GPT-2 BPE merges (gpt2-merges.txt)")
-    p.add_argument("--hf-tokenizer", default=None, metavar="DIR", help="a Hugging Face tokenizer folder (tokenizer.json)")
+    p.add_argument("--vocab-filename", default=None, type=os.path.expanduser, help="real OPT: metaseq's GPT-2 BPE vocabulary (gpt2-vocab.json)")
+    p.add_argument("--merges-filename", default=None, type=os.path.expanduser, help="real OPT: the GPT-2 BPE merges (gpt2-merges.txt)")
+    p.add_argument("--hf-tokenizer", default=None, type=os.path.expanduser, metavar="DIR", help="a Hugging Face tokenizer folder (tokenizer.json)")
     p.add_argument("-v", "--verbose", action="store_true", help="log loading details to stderr")
     return p
 

@@ -82,8 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     d, m = TrainConfig, ModelConfig
-    p.add_argument("--data", required=True, help="plain-text file, one training example per line")
-    p.add_argument("--save-dir", required=True)
+    p.add_argument("--data", required=True, type=os.path.expanduser, help="plain-text file, one training example per line")
+    p.add_argument("--save-dir", required=True, type=os.path.expanduser)  # a quoted '~' too
     p.add_argument("--world-size", type=int, default=d.world_size, help="ranks to start on this machine (a multiple of --model-parallel-size)")
     p.add_argument(
         "--model-parallel-size", type=int, default=d.model_parallel_size,
@@ -98,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--restore-file",
         default=None,
+        type=os.path.expanduser,
         help="DIR/checkpoint_last.pt (loads its shard files, P parts x W/P shards) or a consolidated file such as "
         "reshard-model_part-0.pt (with P > 1, one of its per-part files)",
     )
