@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from metaseq.distributed.fsdp import lazy_init_all
-from metaseq.file_io import atomic_torch_save, checkpoint_prefix, natural_sort_key, shard_file_name, shard_glob
+from metaseq.file_io import (atomic_torch_save, checkpoint_prefix, folder_hint, natural_sort_key, shard_file_name,
+                             shard_glob)
 
 __all__ = [
     "RestoreError",
@@ -100,6 +101,8 @@ def find_restore_files(restore_file: str, world_size: int, model_parallel_size: 
     if is_consolidated_file(restore_file):
         parts = _consolidated_parts(restore_file, model_parallel_size)
         return [parts[r % model_parallel_size] for r in range(world_size)]
+    if os.path.isdir(restore_file):
+        raise RestoreError(f"--restore-file {restore_file}{folder_hint(restore_file)}")
     prefix = checkpoint_prefix(restore_file)
     by_part = _shards_by_part(prefix)
     if not by_part:

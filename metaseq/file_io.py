@@ -20,7 +20,7 @@ from metaseq.errors import CheckpointLoadError, UserError
 from metaseq.torchzip import NeedsTorch, check_record, zip_records
 
 __all__ = ["CheckpointLoadError", "atomic_output", "atomic_torch_save", "check_checkpoint_crc", "checkpoint_prefix",
-           "find_model_parts", "find_shards", "load_checkpoint", "natural_sort_key", "remove_stale_temp_files",
+           "find_model_parts", "find_shards", "folder_hint", "load_checkpoint", "natural_sort_key", "remove_stale_temp_files",
            "shard_file_name", "shard_glob", "summarize_paths"]
 
 logger = logging.getLogger(__name__)
@@ -94,13 +94,25 @@ def find_model_parts(pattern: str, *, flag: str = "--input-glob-pattern") -> lis
 
 
 def _glob_files(pattern: str, flag: str) -> list[str]:
-    expanded = os.path.expanduser(pattern)  # '~' as the shell would, also when quoted
-    paths = sorted((p for p in glob.glob(expanded) if os.path.isfile(p)), key=natural_sort_key)
-    if not paths:
-        example = os.path.join(pattern, "checkpoint_last-model_part-0-shard*.pt")
-        hint = f"; it is a folder: give a pattern of its files, e.g. {example!r}" if os.path.isdir(expanded) else ""
-        raise UserError(f"{flag} {pattern!r} matches no files{hint}")
+    paths = sorted((p for p in glob.glob(os.path.expanduser(pattern)) if os.path.isfile(p)), key=natural_sort_key)
+    if not paths:  # '~' expanded as the shell would, also when quoted
+        raise UserError(f"{flag} {pattern!r} matches no files{folder_hint(pattern, globs=True)}")
     return paths
+
+
+def folder_hint(path: str | os.PathLike, *, globs: bool = False) -> str:
+    """For a folder given where a checkpoint was expected: '; it is a folder: ...' naming the checkpoints in it as
+    stems (`DIR/checkpoint_last.pt` for its shards) or, with `globs`, as globs of one part's shards; else ''."""
+    folder = os.path.expanduser(str(path))
+    if not os.path.isdir(folder):
+        return ""
+    found = set()
+    for file in glob.glob(os.path.join(glob.escape(folder), "*.pt")):
+        stem, part = checkpoint_prefix(file) + ".pt", _last_int(_PART_RE, file)
+        found.add(repr(shard_glob(stem, part)) if globs and stem != file and part is not None else stem)
+    if not found:
+        return "; it is a folder without .pt files"
+    return f"; it is a folder: name a checkpoint in it, e.g. {summarize_paths(sorted(found, key=natural_sort_key))}"
 
 
 def _order_shards(paths: Sequence[str], flag: str) -> list[str]:

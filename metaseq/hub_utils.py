@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from metaseq.errors import UserError
-from metaseq.file_io import find_shards, load_checkpoint, shard_glob
+from metaseq.file_io import find_shards, folder_hint, load_checkpoint, shard_glob
 from metaseq.hf.errors import ConversionError
 from metaseq.hf.names import upstream_state_for_model
 from metaseq.hf.tokenization import ByteTokenizer, TextTokenizer
@@ -101,6 +101,8 @@ def resolve_checkpoint_files(path: str) -> tuple[list[str], bool]:
     path = os.path.expanduser(path)  # '~' as the shell would, also when quoted
     if _GLOB_CHARS.search(path) is None and os.path.isfile(path):
         return [path], False
+    if os.path.isdir(path):
+        raise InferenceLoadError(f"--path {path}{folder_hint(path)}")
     pattern = path if _GLOB_CHARS.search(path) else shard_glob(path)
     try:
         files = find_shards(pattern, flag="--path")

@@ -124,6 +124,8 @@ def test_plain_state_dicts_from_other_tools(ckpts: Path, tmp_path: Path, capsys)
         (["NOMETA", "CKPTS"], "nometa.pt: no 'shard_metadata'; it has flat_param_* keys"),
         (["CKPTS", "NOTENSORS"], "notensors.pt: neither FSDP shards nor a state dict (no 'model' dict of tensors)"),
         (["VIEW", "CKPTS"], "view.pt: model['w'] is a non-contiguous view; cannot compare it"),
+        (["CKPTS", "FOLDER"], "B: pattern 'FOLDER' matches no files; it is a folder: name a checkpoint in it, e.g. "
+                              "FOLDER/nometa.pt"),
     ],
 )
 def test_errors_are_one_line_with_exit_2(ckpts: Path, tmp_path: Path, capsys, argv: list[str], words: str) -> None:
@@ -134,9 +136,13 @@ def test_errors_are_one_line_with_exit_2(ckpts: Path, tmp_path: Path, capsys, ar
     names = {"NONE": str(tmp_path / "none*.pt"), "CKPTS": _glob(ckpts), "GARBAGE": str(tmp_path / "garbage.pt"),
              "NOMETA": str(tmp_path / "nometa.pt"), "NOTENSORS": str(tmp_path / "notensors.pt"),
              "VIEW": str(tmp_path / "view.pt")}
+    (tmp_path / "folder").mkdir()
+    torch.save({"model": {}}, tmp_path / "folder" / "nometa.pt")
+    names["FOLDER"] = str(tmp_path / "folder")
     assert main([names.get(a, a) for a in argv]) == 2
     captured = capsys.readouterr()
     assert captured.out == "" and "Traceback" not in captured.err
+    words = words.replace("FOLDER", names["FOLDER"])
     assert captured.err.count("\n") == 1 and captured.err.startswith("ERROR: ") and words in captured.err
 
 

@@ -142,6 +142,15 @@ def test_mismatched_keys_are_listed(resharded, change):
 def test_missing_path_names_what_to_pass(tmp_path):
     with pytest.raises(InferenceLoadError, match="checkpoint_last.pt: --path '.*checkpoint_last-model_part-0-shard\\*.pt' matches no files"):
         GeneratorInterface.from_checkpoint(str(tmp_path / "checkpoint_last.pt"))
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / "reshard-model_part-0.pt").write_bytes(b"")
+    for shard in ("checkpoint_4-model_part-0-shard0.pt", "checkpoint_4-model_part-0-shard1.pt"):
+        (folder / shard).write_bytes(b"")
+    with pytest.raises(InferenceLoadError) as error:
+        GeneratorInterface.from_checkpoint(str(folder))
+    assert str(error.value) == (f"--path {folder}; it is a folder: name a checkpoint in it, e.g. {folder}/checkpoint_4.pt, "
+                                f"{folder}/reshard-model_part-0.pt")
 
 
 def test_wrapper_segments_in_keys_are_tolerated(resharded, tmp_path):

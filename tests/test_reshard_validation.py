@@ -59,8 +59,12 @@ def _meta(shard: dict[str, Any], instance: int) -> dict[str, Any]:
 def test_glob_matching_nothing(tmp_path: Path, capsys) -> None:
     line = _fails(tmp_path, capsys, _args(str(tmp_path / "nope-shard*.pt"), tmp_path))
     assert "--input-glob-pattern" in line and "nope-shard*.pt" in line and "matches no files" in line
+    _write(tmp_path)
+    folder = tmp_path / "ckpts"
+    line = _fails(tmp_path, capsys, _args(str(folder), tmp_path))
+    assert f"'{folder}' matches no files; it is a folder: name a checkpoint in it, e.g. '{folder / SHARD.format('*')}'" in line
     line = _fails(tmp_path, capsys, _args(str(tmp_path), tmp_path))
-    assert f"'{tmp_path}' matches no files; it is a folder: give a pattern of its files, e.g. '{tmp_path}/chec" in line
+    assert line.endswith(f"'{tmp_path}' matches no files; it is a folder without .pt files")
 
 
 def test_files_from_two_model_parts(tmp_path: Path, capsys) -> None:

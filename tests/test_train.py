@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from conftest import TRAIN_UPDATES
+from metaseq.checkpoint_utils import RestoreError, find_restore_files
 from metaseq.file_io import load_checkpoint
 from training import losses, run_train
 
@@ -109,6 +110,14 @@ def test_quoted_tilde_in_paths_means_the_home_folder(trained, tmp_path, monkeypa
     assert sorted(losses(proc)) == [5, 6] and abs(losses(proc)[6] - uninterrupted[6]) < 1e-5
     assert (tmp_path / "resumed" / "checkpoint_last-model_part-0-shard0.pt").is_file()
     assert not Path("~").exists()
+
+
+def test_restore_file_that_is_a_folder_names_the_checkpoints_in_it(trained):
+    save_dir, _ = trained[2]
+    with pytest.raises(RestoreError) as error:
+        find_restore_files(str(save_dir), 2)
+    assert str(error.value) == (f"--restore-file {save_dir}; it is a folder: name a checkpoint in it, e.g. "
+                                f"{save_dir}/checkpoint_4.pt, {save_dir}/checkpoint_6.pt, {save_dir}/checkpoint_last.pt")
 
 
 def test_resume_with_other_world_size_names_reshard_tool(trained, tmp_path):

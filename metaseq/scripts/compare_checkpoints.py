@@ -9,7 +9,6 @@ time from mmap-loaded files (no FSDP, no process group).
 from __future__ import annotations
 
 import argparse
-import glob
 import logging
 import sys
 
@@ -57,10 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _resolve(pattern: str, side: str) -> list[str]:
-    if not glob.glob(pattern):
-        raise ReshardError(f"{side} {pattern!r} matches no files")
     try:
-        return find_shards(pattern)
+        return find_shards(pattern, flag="pattern")
     except UserError as e:
         raise ReshardError(f"{side}: {e}") from None
 
