@@ -338,6 +338,14 @@ def test_output_that_is_a_directory(tmp_path: Path, capsys) -> None:
     assert "dir.pt is a directory" in _fails(tmp_path, capsys, ["--input", pattern, "--output", str(tmp_path / "dir.pt")])
 
 
+@pytest.mark.parametrize("name, example", [("new/", "new/reshard-model_part-0.pt"), ("", "reshard-model_part-0.pt")])
+def test_output_name_that_names_no_file(tmp_path: Path, capsys, monkeypatch, name: str, example: str) -> None:
+    pattern = _write(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    line = _fails(tmp_path, capsys, ["--input", pattern, "--output", name])
+    assert line.endswith(f"--output-shard-name {name!r} names no file; give one, e.g. {example!r}")
+
+
 def test_existing_output_is_not_overwritten_without_flag(tmp_path: Path, capsys) -> None:
     pattern = _write(tmp_path)
     (tmp_path / "keep").mkdir()

@@ -183,6 +183,9 @@ def expand_model_parts(input_glob_pattern: str, output_shard_name: str) -> list[
 def output_paths(output_shard_name: str, num_output_shards: int, inputs: Sequence[str], *,
                  overwrite: bool) -> list[str]:
     """`{i}` in the name becomes the output shard index; names must read back in order, never clobber inputs."""
+    if os.path.basename(output_shard_name) in ("", ".", ".."):  # 'out/' would write a file named 'out'
+        example = os.path.join(output_shard_name, "reshard-model_part-0.pt")
+        raise ReshardError(f"--output-shard-name {output_shard_name!r} names no file; give one, e.g. {example!r}")
     if num_output_shards > 1 and "{i}" not in output_shard_name:
         raise ReshardError(
             f"--num-output-shards={num_output_shards} but --output-shard-name {output_shard_name!r} has no "
