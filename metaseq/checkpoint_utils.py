@@ -9,6 +9,7 @@ With model parallelism, global rank r = dp_rank * P + mp_rank holds the file
 from __future__ import annotations
 
 import copy
+import contextlib
 import glob
 import logging
 import os
@@ -27,6 +28,7 @@ __all__ = [
     "find_restore_files",
     "is_consolidated_file",
     "load_training_state",
+    "remove_replaced_shards",
     "save_training_checkpoint",
 ]
 
@@ -78,11 +80,31 @@ def save_training_checkpoint(
 ) -> list[str]:
     """Write `checkpoint_{n}-...` and `checkpoint_last-...` of this shard (`rank`: the data-parallel rank), atomically."""
     paths = []
-    for prefix in (f"checkpoint_{num_updates}", "checkpoint_last"):
+    for prefix in checkpoint_names(num_updates):
         path = os.path.join(save_dir, shard_file_name(prefix, model_part, rank))
         atomic_torch_save(state, path)
         paths.append(path)
     return paths
+
+
+def checkpoint_names(num_updates: int) -> tuple[str, str]:
+    return f"checkpoint_{num_updates}", "checkpoint_last"
+
+
+def remove_replaced_shards(save_dir: str, num_updates: int, num_parts: int, shards_per_part: int) -> list[str]:
+    """Remove the shard files of the checkpoints a save at `num_updates` replaces that no rank of this run writes
+    (an earlier run's with more shards or parts, as before a reshard): read back with the new ones, they would
+    make a mixed checkpoint. Returns the paths removed."""
+    removed = []
+    for prefix in checkpoint_names(num_updates):
+        for path in glob.glob(shard_glob(os.path.join(save_dir, prefix), "*")):
+            match = _PART_SHARD.search(path)
+            if match and path[: match.start()] == os.path.join(save_dir, prefix) and (
+                    int(match[1]) >= num_parts or int(match[2]) >= shards_per_part):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+                    removed.append(path)
+    return sorted(removed, key=natural_sort_key)
 
 
 def is_consolidated_file(restore_file: str) -> bool:

@@ -252,6 +252,15 @@ def test_option_and_name_errors(tmp_path, capsys, flags, words):
     assert not (tmp_path / "out").exists()
 
 
+def test_fewer_parts_over_an_earlier_runs_parts_are_refused(tmp_path, capsys):
+    _write_parts(tmp_path, 2, 1)
+    argv = ["--input", str(tmp_path / "*.pt"), "--output", str(tmp_path / "out" / "reshard-model_part-{j}.pt"),
+            "--unflatten-weights", "--overwrite", "--quiet"]
+    assert main([*argv, "--num-output-parts", "2"]) == 0
+    assert main([*argv, "--num-output-parts", "1"]) == 2
+    assert f"{tmp_path}/out/reshard-model_part-1.pt, named like the outputs, would stay" in capsys.readouterr().err
+
+
 def test_replicated_tensor_that_differs_between_parts_warns_and_uses_part_0(tmp_path, capsys):
     _write_parts(tmp_path, 2, 1)
     path = tmp_path / OUT.format(j=1, i=0)

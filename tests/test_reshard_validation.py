@@ -346,6 +346,15 @@ def test_output_name_that_names_no_file(tmp_path: Path, capsys, monkeypatch, nam
     assert line.endswith(f"--output-shard-name {name!r} names no file; give one, e.g. {example!r}")
 
 
+def test_overwrite_that_would_leave_an_earlier_runs_extra_shards_beside_the_outputs(tmp_path: Path, capsys) -> None:
+    pattern = _write(tmp_path)
+    out = tmp_path / "keep" / "s{i}.pt"
+    assert main(["--input", pattern, "--output", str(out), "--num-output-shards", "4", "--quiet"]) == 0
+    line = _fails(tmp_path, capsys, ["--input", pattern, "--output", str(out), "--num-output-shards", "2", "--overwrite"])
+    assert f"{tmp_path}/keep/s2.pt, {tmp_path}/keep/s3.pt, named like the outputs, would stay beside them" in line
+    assert main(["--input", pattern, "--output", str(out), "--num-output-shards", "5", "--overwrite", "--quiet"]) == 0
+
+
 def test_existing_output_is_not_overwritten_without_flag(tmp_path: Path, capsys) -> None:
     pattern = _write(tmp_path)
     (tmp_path / "keep").mkdir()

@@ -1,5 +1,6 @@
 """Foundation: real fairscale FSDP training on CPU/gloo writes FORMAT.md shards."""
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -8,6 +9,7 @@ import torch
 from conftest import TRAIN_UPDATES
 from metaseq.checkpoint_utils import RestoreError, find_restore_files
 from metaseq.file_io import load_checkpoint
+from metaseq.scripts.reshard_fsdp import main as reshard_main
 from training import losses, run_train
 
 TOP_LEVEL_KEYS = {"model", "shard_metadata", "last_optimizer_state", "optimizer_history", "extra_state", "cfg"}
@@ -118,6 +120,23 @@ def test_restore_file_that_is_a_folder_names_the_checkpoints_in_it(trained):
         find_restore_files(str(save_dir), 2)
     assert str(error.value) == (f"--restore-file {save_dir}; it is a folder: name a checkpoint in it, e.g. "
                                 f"{save_dir}/checkpoint_4.pt, {save_dir}/checkpoint_6.pt, {save_dir}/checkpoint_last.pt")
+
+
+def test_save_after_a_reshard_removes_the_earlier_runs_extra_shards_it_replaces(trained, tmp_path):
+    """W=4 run, resharded 4 -> 2 and resumed with --save-dir the W=4 run's folder: checkpoint_6 and checkpoint_last
+    are replaced, so their shard2 and shard3 go; checkpoint_4, which this run does not write, stays whole."""
+    old_dir, uninterrupted = trained[4]
+    run = tmp_path / "run"
+    shutil.copytree(old_dir, run)
+    assert reshard_main(["--input", str(run / "checkpoint_4-model_part-0-shard*.pt"), "--num-output-shards", "2",
+                         "--output", str(tmp_path / "r2" / "checkpoint_last-model_part-0-shard{i}.pt"), "--quiet"]) == 0
+    proc = run_train(run, world_size=2, max_update=TRAIN_UPDATES,
+                     extra=["--restore-file", str(tmp_path / "r2" / "checkpoint_last.pt")])
+    assert "shards of an earlier run with more ranks, which this save replaces" in proc.stderr
+    assert abs(losses(proc)[6] - uninterrupted[6]) < 1e-5
+    for prefix, shards in (("checkpoint_4", 4), ("checkpoint_6", 2), ("checkpoint_last", 2)):
+        assert sorted(p.name for p in run.glob(f"{prefix}-*")) == [f"{prefix}-model_part-0-shard{r}.pt" for r in range(shards)]
+    assert len(find_restore_files(str(run / "checkpoint_last.pt"), 2)) == 2
 
 
 def test_resume_with_other_world_size_names_reshard_tool(trained, tmp_path):

@@ -42,7 +42,7 @@ from metaseq.distributed.model_parallel import (
     init_model_parallel,
     shutdown_model_parallel,
 )
-from metaseq.file_io import CheckpointLoadError, load_checkpoint
+from metaseq.file_io import CheckpointLoadError, load_checkpoint, summarize_paths
 from metaseq.models.model_parallel import check_model_parallel_sizes, vocab_parallel_loss_sum
 from metaseq.models.transformer_lm import ModelConfig
 from metaseq.tokenizer import PAD
@@ -299,6 +299,11 @@ def save(model: Any, optimizer: torch.optim.Optimizer, cfg: TrainConfig, model_c
     )
     if layout.rank == 0:
         logger.info("saved %s (and the other ranks' shards)", paths[0])
+        removed = checkpoint_utils.remove_replaced_shards(cfg.save_dir, state.num_updates, cfg.model_parallel_size,
+                                                          cfg.world_size // cfg.model_parallel_size)
+        if removed:
+            logger.warning("removed %s: shards of an earlier run with more ranks, which this save replaces",
+                           summarize_paths(removed))
 
 
 def launch(cfg: TrainConfig) -> None:

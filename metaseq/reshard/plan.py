@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from metaseq.errors import ReshardError, UserError
-from metaseq.file_io import find_model_parts, find_shards, load_checkpoint, summarize_paths
+from metaseq.file_io import find_model_parts, find_shards, load_checkpoint, natural_sort_key, summarize_paths
 from metaseq.reshard.layout import ModelLayout, ParamDict, analyze_model, output_cuts, output_metadata
 from metaseq.reshard.optim import (OptimLayout, analyze_optimizer, assemble_consolidated_optimizer,
                                    assemble_flat_optimizer, check_per_rank_state, optimizer_targets)
@@ -100,7 +100,23 @@ def plan_reshard(options: ReshardOptions) -> list[Plan]:
             raise ReshardError(f"--output-shard-name: {seen[real]} and {path} are the same file; give each output a "
                                "file name of its own")
         seen[real] = path
+    _check_nothing_left_beside(options.output_shard_name, set(seen))
     return plans
+
+
+def _check_nothing_left_beside(name: str, outputs: set[str]) -> None:
+    """Files named like the outputs, other numbers in `{i}` or `{j}` (an earlier run's extra shards or parts),
+    would be read back with them as one checkpoint: refuse them."""
+    pieces = re.split(r"\{[ij]\}", name)
+    if len(pieces) == 1:
+        return
+    like = re.compile(r"\d+".join(map(re.escape, pieces)))
+    candidates = glob.glob("*".join(map(glob.escape, pieces)))
+    left = [p for p in candidates if like.fullmatch(p) and os.path.realpath(p) not in outputs]
+    if left:
+        raise ReshardError(f"--output-shard-name: {summarize_paths(sorted(left, key=natural_sort_key))}, named like the "
+                           "outputs, would stay beside them (from an earlier run?) and be read back with them; remove "
+                           "them or write elsewhere")
 
 
 def plan_model_parallel(options: ReshardOptions) -> Plan:
