@@ -90,9 +90,10 @@ def plan_reshard(options: ReshardOptions) -> list[Plan]:
                 raise ReshardError(str(e)) from None
             logger.info("found %d input shard(s) matching %r", len(parts[-1][0]), pattern)
         every_input = [path for inputs, _ in parts for path in inputs]  # no part may write over another's
-        plans = [plan_structures(read_inputs(inputs, trust=options.trust_checkpoint), options,
-                                 output_paths(name, options.num_output_shards, every_input, overwrite=options.overwrite))
-                 for inputs, name in parts]
+        plans = []
+        for inputs, name in parts:
+            outputs = output_paths(name, options.num_output_shards, every_input, overwrite=options.overwrite)
+            plans.append(plan_structures(read_inputs(inputs, trust=options.trust_checkpoint), options, outputs))
     seen: dict[str, str] = {}  # names can alias one file ('o/{i}/../s.pt', links): by real path
     for path in (out.path for plan in plans for out in plan.outputs):
         real = os.path.realpath(path)
@@ -114,9 +115,9 @@ def _check_nothing_left_beside(name: str, outputs: set[str]) -> None:
     candidates = glob.glob("*".join(map(glob.escape, pieces)))
     left = [p for p in candidates if like.fullmatch(p) and os.path.realpath(p) not in outputs]
     if left:
-        raise ReshardError(f"--output-shard-name: {summarize_paths(sorted(left, key=natural_sort_key))}, named like the "
-                           "outputs, would stay beside them (from an earlier run?) and be read back with them; remove "
-                           "them or write elsewhere")
+        left.sort(key=natural_sort_key)
+        raise ReshardError(f"--output-shard-name: {summarize_paths(left)}, named like the outputs, would stay beside "
+                           "them (from an earlier run?) and be read back with them; remove them or write elsewhere")
 
 
 def plan_model_parallel(options: ReshardOptions) -> Plan:
