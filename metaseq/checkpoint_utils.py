@@ -80,14 +80,14 @@ def save_training_checkpoint(
 ) -> list[str]:
     """Write `checkpoint_{n}-...` and `checkpoint_last-...` of this shard (`rank`: the data-parallel rank), atomically."""
     paths = []
-    for prefix in checkpoint_names(num_updates):
+    for prefix in _checkpoint_names(num_updates):
         path = os.path.join(save_dir, shard_file_name(prefix, model_part, rank))
         atomic_torch_save(state, path)
         paths.append(path)
     return paths
 
 
-def checkpoint_names(num_updates: int) -> tuple[str, str]:
+def _checkpoint_names(num_updates: int) -> tuple[str, str]:
     return f"checkpoint_{num_updates}", "checkpoint_last"
 
 
@@ -96,7 +96,7 @@ def remove_replaced_shards(save_dir: str, num_updates: int, num_parts: int, shar
     (an earlier run's with more shards or parts, as before a reshard): read back with the new ones, they would
     make a mixed checkpoint. Returns the paths removed."""
     removed = []
-    for prefix in checkpoint_names(num_updates):
+    for prefix in _checkpoint_names(num_updates):
         for path in glob.glob(shard_glob(os.path.join(save_dir, prefix), "*")):
             match = _PART_SHARD.search(path)
             if match and path[: match.start()] == os.path.join(save_dir, prefix) and (
