@@ -97,14 +97,13 @@ def remove_replaced_shards(save_dir: str, num_updates: int, num_parts: int, shar
     make a mixed checkpoint. Returns the paths removed."""
     removed = []
     for prefix in _checkpoint_names(num_updates):
-        for path in glob.glob(shard_glob(os.path.join(save_dir, prefix), "*")):
-            match = _PART_SHARD.search(path)
-            if match and path[: match.start()] == os.path.join(save_dir, prefix) and (
-                    int(match[1]) >= num_parts or int(match[2]) >= shards_per_part):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
-                    removed.append(path)
-    return sorted(removed, key=natural_sort_key)
+        for part, files in sorted(_shards_by_part(os.path.join(save_dir, prefix)).items()):
+            for path in files:
+                if part >= num_parts or int(_PART_SHARD.search(path)[2]) >= shards_per_part:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(path)
+                        removed.append(path)
+    return removed
 
 
 def is_consolidated_file(restore_file: str) -> bool:
@@ -123,8 +122,8 @@ def find_restore_files(restore_file: str, world_size: int, model_parallel_size: 
     if is_consolidated_file(restore_file):
         parts = _consolidated_parts(restore_file, model_parallel_size)
         return [parts[r % model_parallel_size] for r in range(world_size)]
-    if os.path.isdir(restore_file):
-        raise RestoreError(f"--restore-file {restore_file}{folder_hint(restore_file)}")
+    if hint := folder_hint(restore_file):
+        raise RestoreError(f"--restore-file {restore_file}{hint}")
     prefix = checkpoint_prefix(restore_file)
     by_part = _shards_by_part(prefix)
     if not by_part:

@@ -101,8 +101,8 @@ def resolve_checkpoint_files(path: str) -> tuple[list[str], bool]:
     path = os.path.expanduser(path)  # '~' as the shell would, also when quoted
     if _GLOB_CHARS.search(path) is None and os.path.isfile(path):
         return [path], False
-    if os.path.isdir(path):
-        raise InferenceLoadError(f"--path {path}{folder_hint(path)}")
+    if hint := folder_hint(path):
+        raise InferenceLoadError(f"--path {path}{hint}")
     pattern = path if _GLOB_CHARS.search(path) else shard_glob(path)
     try:
         files = find_shards(pattern, flag="--path")
