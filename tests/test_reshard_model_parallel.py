@@ -231,6 +231,20 @@ def test_parts_of_different_models_are_refused(tmp_path, capsys):
     assert f"{tmp_path / OUT.format(j=1, i=0)}: model part 1 has other parameters than part 0" in err
 
 
+def test_parts_of_different_saves_are_refused_with_and_without_a_new_part_count(tmp_path, capsys):
+    _write_parts(tmp_path, 2, 1)
+    later = tmp_path / OUT.format(j=1, i=0)
+    ckpt = torch.load(later, weights_only=False)
+    ckpt["optimizer_history"][-1]["num_updates"] += 1  # part 1 from the next save
+    torch.save(ckpt, later)
+    words = f"{later} was saved at update 43 but {tmp_path / OUT.format(j=0, i=0)} at update 42"
+    assert words in _fails(capsys, tmp_path, "--num-output-parts", "1")
+    pattern = str(tmp_path / OUT.replace("{j}", "{{j}}").format(i="*"))  # reshard_fsdp: each part on its own
+    assert reshard_fsdp(["--input", pattern, "--output", str(tmp_path / "out" / OUT), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert words in err and err.count("\n") == 1 and not (tmp_path / "out").exists()
+
+
 def test_shapes_that_contradict_the_rules_are_refused(tmp_path, capsys):
     _write_parts(tmp_path, 2, 1)
     shards = make_shards(make_model(instances=FULL), 1)  # part 1 rewritten with whole, uncut tensors

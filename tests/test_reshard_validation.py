@@ -176,6 +176,26 @@ def test_metadata_malformed_or_disagreeing_across_shards(tmp_path, capsys, spoil
     assert SHARD.format(culprit) in line and words in line
 
 
+def _seed(shards: list[dict[str, Any]], rank: int, seed: int) -> None:
+    shards[rank]["cfg"]["common"] = {"seed": seed}
+
+
+@pytest.mark.parametrize(
+    "spoil, words",
+    [
+        (lambda s: s[2]["optimizer_history"][-1].__setitem__("num_updates", 40),
+         f"{SHARD.format(2)} was saved at update 40 but "),
+        (lambda s: [_seed(s, r, 9 if r == 3 else 1) for r in range(4)],
+         f"{SHARD.format(3)} comes from a run with seed 9 but "),
+    ],
+)
+def test_shards_of_different_saves_are_refused(tmp_path, capsys, spoil: Spoil, words: str) -> None:
+    """A set mixed from two saves (one cut short, or another run's file copied in) is one model at no update."""
+    line = _fails(tmp_path, capsys, _args(_write(tmp_path, spoil), tmp_path))
+    assert words in line and SHARD.format(0) in line
+    assert "use the files of one complete save" in line or "use one run's files" in line
+
+
 # --- flat tensors that disagree with their metadata ----------------------------------------------
 
 

@@ -32,9 +32,9 @@ from metaseq.reshard.ranges import OutTensor, Run, plan_range
 from metaseq.reshard.schema import OPTIM, is_tensor, resolve
 from metaseq.torchzip import Copy, DType, NeedsTorch, Opaque, Size, TensorRef, from_torch, read_checkpoint
 
-__all__ = ["InputFile", "OutFile", "Plan", "Source", "analyze_inputs", "assemble_output", "describe_plan",
-           "expand_model_parts", "output_tensors", "plan_model_parallel", "plan_reshard", "plan_structures",
-           "read_inputs", "summarize_plan", "tensor_ref", "whole_tensor"]
+__all__ = ["InputFile", "OutFile", "Plan", "Source", "analyze_inputs", "assemble_output", "check_same_save",
+           "describe_plan", "expand_model_parts", "output_tensors", "plan_model_parallel", "plan_reshard",
+           "plan_structures", "read_inputs", "summarize_plan", "tensor_ref", "whole_tensor"]
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +94,7 @@ def plan_reshard(options: ReshardOptions) -> list[Plan]:
         for inputs, name in parts:
             outputs = output_paths(name, options.num_output_shards, every_input, overwrite=options.overwrite)
             plans.append(plan_structures(read_inputs(inputs, trust=options.trust_checkpoint), options, outputs))
+        check_same_save([plan.inputs[0].structure for plan in plans], [plan.inputs[0].path for plan in plans])
     seen: dict[str, str] = {}  # names can alias one file ('o/{i}/../s.pt', links): by real path
     for path in (out.path for plan in plans for out in plan.outputs):
         real = os.path.realpath(path)
@@ -131,6 +132,7 @@ def plan_model_parallel(options: ReshardOptions) -> Plan:
                 options.input_glob_pattern)
     inputs = read_inputs(paths, trust=options.trust_checkpoint)
     structures = [i.structure for i in inputs]
+    check_same_save(structures, paths)
     declared = _cfg_field(structures[0], "common", "model_parallel_size")
     if isinstance(declared, int) and declared > len(groups):
         raise ReshardError(
@@ -281,6 +283,7 @@ def analyze_inputs(structures: Sequence[Mapping[str, Any]], labels: Sequence[str
     options; no tensor data is read."""
     if not structures:
         raise ReshardError("no input shards")
+    check_same_save(structures, labels)
     model = analyze_model(structures, labels, first)
     optim = None if options.skip_optimizer_state else analyze_optimizer(structures, model)
     if optim is not None and options.unflatten_weights and optim.num_param_groups != 1:
@@ -293,6 +296,25 @@ def analyze_inputs(structures: Sequence[Mapping[str, Any]], labels: Sequence[str
         raise ReshardError(f"{labels[0]}: extra_state is a {type(extra_state).__name__}, not a dict; "
                            "drop --drop-metaseq-req")
     return Source(model, optim)
+
+
+def check_same_save(structures: Sequence[Mapping[str, Any]], labels: Sequence[str]) -> None:
+    """Refuse files of different saves: every file of a checkpoint is saved at the same update of one run (seed)."""
+    def mark(structure: Mapping[str, Any]) -> tuple[Any, Any]:
+        history = structure.get("optimizer_history")
+        last = history[-1] if isinstance(history, list) and history and isinstance(history[-1], Mapping) else {}
+        marks = last.get("num_updates"), _cfg_field(structure, "common", "seed")
+        return tuple(m if isinstance(m, (int, str)) else None for m in marks)  # plain values (not tensors)
+
+    (updates, seed), name = mark(structures[0]), labels[0]
+    for structure, label in zip(structures[1:], labels[1:]):
+        theirs = mark(structure)
+        if theirs[0] != updates:
+            raise ReshardError(f"{label} was saved at update {theirs[0]} but {name} at update {updates}: the files "
+                               "come from different saves (one cut short?); use the files of one complete save")
+        if theirs[1] != seed:
+            raise ReshardError(f"{label} comes from a run with seed {theirs[1]} but {name} from seed {seed}: the "
+                               "files mix two training runs; use one run's files")
 
 
 def output_tensors(source: Source, options: ReshardOptions, rank: int) -> list[OutTensor]:
