@@ -14,20 +14,27 @@ import glob
 import logging
 import os
 import re
-from typing import Any
+from argparse import Namespace
+from typing import Any, Mapping, NamedTuple
 
 import torch
 
 from metaseq.distributed.fsdp import lazy_init_all
+from metaseq.errors import UserError
 from metaseq.file_io import (atomic_torch_save, checkpoint_prefix, folder_hint, natural_sort_key, shard_file_name,
                              shard_glob)
+from metaseq.reshard.layout import analyze_model
+from metaseq.reshard.plan import check_same_save, read_inputs, saved_at
+from metaseq.torchzip import Opaque
 
 __all__ = [
     "RestoreError",
+    "Restored",
     "build_training_checkpoint",
     "find_restore_files",
     "is_consolidated_file",
     "load_training_state",
+    "read_restore_files",
     "remove_replaced_shards",
     "save_training_checkpoint",
 ]
@@ -133,6 +140,40 @@ def find_restore_files(restore_file: str, world_size: int, model_parallel_size: 
     for part, files in sorted(by_part.items()):
         _check_shards(restore_file, prefix, part, files, world_size, model_parallel_size)
     return [by_part[r % model_parallel_size][r // model_parallel_size] for r in range(world_size)]
+
+
+class Restored(NamedTuple):
+    files: list[str]  # per global rank
+    num_updates: int  # the update the files were saved at
+    cfg: Mapping[str, Any]  # input 0's
+    model_cfg: Mapping[str, Any] | Namespace  # cfg['model'], as ModelConfig.from_dict takes it
+
+
+def read_restore_files(restore_file: str, world_size: int, model_parallel_size: int = 1) -> Restored:
+    """`find_restore_files`, then every file's structure read (no tensor data) and checked as the reshard tool checks
+    its inputs (one save, one model, every shard there), so that the ranks never start on a set they cannot load."""
+    files = find_restore_files(restore_file, world_size, model_parallel_size)
+    unique, parts = list(dict.fromkeys(files)), model_parallel_size  # in rank order: part r % P, shard r // P
+    try:
+        structures = [i.structure for i in read_inputs(unique)]
+        check_same_save(structures, unique)
+        layouts = [analyze_model(structures[j::parts], unique[j::parts]) for j in range(parts)]
+    except UserError as e:
+        raise RestoreError(f"--restore-file {restore_file}: {e}") from None
+    if is_consolidated_file(restore_file) and not layouts[0].unflattened and world_size > parts:
+        raise RestoreError(
+            f"--restore-file {restore_file} holds the flat weights of one FSDP shard, which load only with one rank "
+            f"per model part (--world-size {parts}); to restore at any world size, reshard it with --unflatten-weights"
+        )
+    cfg = structures[0].get("cfg")
+    model = cfg.get("model") if isinstance(cfg, Mapping) else None
+    if isinstance(model, Opaque) and isinstance(model.state, Mapping):  # upstream metaseq's argparse.Namespace
+        model = Namespace(**model.state)
+    if not isinstance(model, (Mapping, Namespace)):
+        raise RestoreError(f"--restore-file {restore_file}: {unique[0]} has no cfg['model'] (the model's sizes); "
+                           "restore a checkpoint that metaseq.cli.train, the reshard tools or convert_from_hf wrote")
+    updates = saved_at(structures[0])[0]
+    return Restored(files, updates if isinstance(updates, int) else 0, cfg, model)
 
 
 def _shards_by_part(prefix: str) -> dict[int, list[str]]:

@@ -155,7 +155,7 @@ def test_harness_merges_parts_into_the_p1_model_and_moments(runs, tmp_path):
          "vocab_size (the tokenizer's)=260 is not divisible by --model-parallel-size=3; model-parallel sizes this model allows: 1 "),
         (["--world-size", "4", "--model-parallel-size", "2", *MP_MODEL_FLAGS, "--batch-size", "5"],
          "--batch-size=5 is not divisible by the data-parallel size 2 (--world-size=4 / --model-parallel-size=2)"),
-        (["--world-size", "2", "--model-parallel-size", "0"], "--model-parallel-size=0 must be at least 1"),
+        (["--world-size", "2", "--model-parallel-size", "0"], "argument --model-parallel-size: must be at least 1, got 0"),
     ],
 )
 def test_bad_model_parallel_flags_give_one_line_error(tmp_path, caplog, flags, culprit):

@@ -1,6 +1,9 @@
 """Foundation: real fairscale FSDP training on CPU/gloo writes FORMAT.md shards."""
+import logging
 import math
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -8,9 +11,10 @@ import torch
 
 from conftest import TRAIN_UPDATES
 from metaseq.checkpoint_utils import RestoreError, find_restore_files
+from metaseq.cli import train
 from metaseq.file_io import load_checkpoint
 from metaseq.scripts.reshard_fsdp import main as reshard_main
-from training import losses, run_train
+from training import CORPUS, losses, run_train
 
 TOP_LEVEL_KEYS = {"model", "shard_metadata", "last_optimizer_state", "optimizer_history", "extra_state", "cfg"}
 FLAT_KEYS = {"flat_param_0", "decoder.layers.0.flat_param_0", "decoder.layers.1.flat_param_0"}
@@ -151,6 +155,89 @@ def test_resume_with_other_world_size_names_reshard_tool(trained, tmp_path):
     assert "found 2 shard files but --world-size=4" in err[0]
     assert "python -m metaseq.scripts.reshard_fsdp" in err[0]
     assert "Traceback" not in proc.stderr
+
+
+def test_resume_takes_the_restored_runs_seed_lr_and_sequence_length_unless_given(tmp_path):
+    """A run with seed 7, lr 0.01 and 48-token sequences (none of them the defaults), resumed by naming only the
+    checkpoint, goes on exactly; --lr given on resume is the learning rate from then on."""
+    first = tmp_path / "first"
+    base = losses(run_train(first, world_size=1, max_update=TRAIN_UPDATES,
+                            extra=["--seed", "7", "--lr", "0.01", "--save-interval-updates", "4"]))
+    bare = [sys.executable, "-m", "metaseq.cli.train", "--data", str(CORPUS), "--max-update", str(TRAIN_UPDATES),
+            "--restore-file", str(first / "checkpoint_4.pt")]
+    proc = subprocess.run([*bare, "--save-dir", str(tmp_path / "resumed")], capture_output=True, text=True, check=True)
+    assert [losses(proc)[u] for u in (5, 6)] == pytest.approx([base[5], base[6]], abs=1e-5)
+    proc = subprocess.run([*bare, "--save-dir", str(tmp_path / "lr"), "--lr", "0.1"], capture_output=True, text=True,
+                          check=True)
+    assert abs(losses(proc)[6] - base[6]) > 1e-3
+    (ckpt,) = _shards(tmp_path / "lr", 1)
+    assert [g["lr"] for g in ckpt["last_optimizer_state"]["param_groups"]] == [0.1]
+    assert ckpt["cfg"]["optimization"]["lr"] == [0.1] and ckpt["cfg"]["common"]["seed"] == 7
+    assert ckpt["cfg"]["task"]["seq_len"] == 48
+
+
+def _mixed(trained, tmp_path) -> str:
+    """shard0 of the W=2 run's last save beside shard1 of its update-4 save: a save cut short."""
+    save_dir, _ = trained[2]
+    shutil.copy(save_dir / "checkpoint_last-model_part-0-shard0.pt", tmp_path)
+    shutil.copy(save_dir / "checkpoint_4-model_part-0-shard1.pt", tmp_path / "checkpoint_last-model_part-0-shard1.pt")
+    return str(tmp_path / "checkpoint_last.pt")
+
+
+def _flat_single_file(trained, tmp_path) -> str:
+    shutil.copy(trained[1][0] / "checkpoint_last-model_part-0-shard0.pt", tmp_path / "reshard-model_part-0.pt")
+    return str(tmp_path / "reshard-model_part-0.pt")
+
+
+def _not_a_training_checkpoint(trained, tmp_path) -> str:
+    torch.save({"a": 1}, tmp_path / "a.pt")
+    return str(tmp_path / "a.pt")
+
+
+@pytest.mark.parametrize(
+    "restore, flags, culprit",
+    [
+        (None, ["--max-update", "6"], "--max-update=6 but --restore-file {R} was saved at update 6: nothing to train; "
+                                      "pass a --max-update above 6"),
+        (_mixed, [], "{T}/checkpoint_last-model_part-0-shard1.pt was saved at update 4 but "
+                     "{T}/checkpoint_last-model_part-0-shard0.pt at update 6: the files come from different saves"),
+        (None, ["--decoder-layers", "3"], "--decoder-layers=3 but the restored model has decoder_layers=2: a restored "
+                                          "model's sizes come from its files; drop --decoder-layers"),
+        (None, ["--seq-len", "100"], "--seq-len=100 exceeds the restored model's max_target_positions=67"),
+        (_flat_single_file, [], "--restore-file {R} holds the flat weights of one FSDP shard, which load only with one "
+                                "rank per model part (--world-size 1)"),
+        (_not_a_training_checkpoint, [], "--restore-file {R}: {R}: no 'model' dict"),
+    ],
+)
+def test_restore_files_that_cannot_go_on_are_refused_before_any_rank_starts(trained, tmp_path, caplog, restore, flags,
+                                                                              culprit):
+    path = restore(trained, tmp_path) if restore else str(trained[2][0] / "checkpoint_last.pt")
+    args = ["--data", str(CORPUS), "--save-dir", str(tmp_path / "run"), "--world-size", "2", "--max-update", "9",
+            "--restore-file", path, *flags]
+    with caplog.at_level(logging.ERROR, logger="metaseq.cli.train"):
+        assert train.main(args) == 2
+    assert culprit.format(R=path, T=tmp_path) in caplog.text
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    "flags, culprit",
+    [
+        (["--batch-size", "0"], "argument --batch-size: must be at least 1, got 0"),
+        (["--lr", "nan"], "argument --lr: must be a finite number >= 0, got nan"),
+        (["--decoder-layers", "0"], "argument --decoder-layers: must be at least 1, got 0"),
+        (["--data", "{T}/empty.txt"], "--data {T}/empty.txt: the file has no non-empty lines"),
+        (["--save-dir", "{T}/empty.txt"], "--save-dir {T}/empty.txt is a file; give a folder for the checkpoints"),
+        (["--save-dir", "{T}/empty.txt/run"], "--save-dir {T}/empty.txt/run: cannot make the folder (Not a directory)"),
+    ],
+)
+def test_bad_flag_values_and_paths_are_one_line_errors(tmp_path, caplog, flags, culprit):
+    (tmp_path / "empty.txt").write_text("\n \n")
+    args = ["--data", str(CORPUS), "--save-dir", str(tmp_path / "run"), *[f.format(T=tmp_path) for f in flags]]
+    with caplog.at_level(logging.ERROR, logger="metaseq.cli.train"):
+        assert train.main(args) == 2
+    assert culprit.format(T=tmp_path) in caplog.text and len(caplog.records) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.txt"]
 
 
 @pytest.mark.parametrize(

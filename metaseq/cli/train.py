@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from metaseq import checkpoint_utils
+from metaseq.cli_logging import OneLineErrorParser, non_negative_float, non_negative_int, positive_int
 from metaseq.data import LineDataset, load_lines
 from metaseq.distributed.fsdp import init_distributed, start_ranks
 from metaseq.distributed.model_parallel import (
@@ -42,7 +43,8 @@ from metaseq.distributed.model_parallel import (
     init_model_parallel,
     shutdown_model_parallel,
 )
-from metaseq.file_io import CheckpointLoadError, load_checkpoint, summarize_paths
+from metaseq.errors import UserError
+from metaseq.file_io import load_checkpoint, summarize_paths
 from metaseq.models.model_parallel import check_model_parallel_sizes, vocab_parallel_loss_sum
 from metaseq.models.transformer_lm import ModelConfig
 from metaseq.tokenizer import PAD
@@ -64,7 +66,8 @@ class TrainConfig:
     seed: int = 1
     restore_file: str | None = None
     log_format: str = "json"
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)  # with restore_file, the restored model's
+    restored_updates: int = 0  # the update restore_file was saved at
 
 
 @dataclass
@@ -74,27 +77,48 @@ class TrainState:
     training_time: float = 0.0
 
 
+# A flag left out takes, with --restore-file, the restored run's value (so that a resumed run goes on as it was):
+# TrainConfig field -> where the checkpoint's cfg holds it (`checkpoint_cfg`). A restored model's sizes come from
+# its files.
+RESTORED = {"seed": ("common", "seed"), "lr": ("optimization", "lr"), "batch_size": ("optimization", "batch_size"),
+            "seq_len": ("task", "seq_len")}
+MODEL_FLAGS = ("decoder_layers", "decoder_embed_dim", "decoder_attention_heads", "decoder_ffn_embed_dim",
+               "max_target_positions", "fused_qkv")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineErrorParser(
         prog="python -m metaseq.cli.train",
         description="Train the small OPT-style LM with fairscale FSDP, writing raw sharded checkpoints.",
         epilog="example: python -m metaseq.cli.train --data corpus.txt --save-dir ckpts --world-size 4 --max-update 20",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     d, m = TrainConfig, ModelConfig
-    p.add_argument("--data", required=True, type=os.path.expanduser, help="plain-text file, one training example per line")
-    p.add_argument("--save-dir", required=True, type=os.path.expanduser)  # a quoted '~' too
-    p.add_argument("--world-size", type=int, default=d.world_size, help="ranks to start on this machine (a multiple of --model-parallel-size)")
-    p.add_argument(
-        "--model-parallel-size", type=int, default=d.model_parallel_size,
-        help="tensor model-parallel parts P; each is FSDP-sharded over --world-size / P ranks",
-    )
-    p.add_argument("--max-update", type=int, default=d.max_update)
-    p.add_argument("--save-interval-updates", type=int, default=d.save_interval_updates, help="0: only at the end")
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help="GLOBAL sequences per update")
-    p.add_argument("--seq-len", type=int, default=d.seq_len)
-    p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--seed", type=int, default=d.seed)
+
+    def run_flag(name: str, kind: Any, default: Any, text: str) -> None:  # None: the restored run's, or the default
+        p.add_argument(name, type=kind, default=None, help=f"{text} (default: {default}, or the restored run's)")
+
+    def model_flag(name: str, default: int) -> None:
+        p.add_argument(name, type=positive_int, default=None,
+                       help=f"default: {default}, or with --restore-file the restored model's (a value given must "
+                       "agree)")
+
+    p.add_argument("--data", required=True, type=os.path.expanduser,
+                   help="plain-text file, one training example per line")
+    p.add_argument("--save-dir", required=True, type=os.path.expanduser,
+                   help="folder for the checkpoints (made if needed)")
+    p.add_argument("--world-size", type=positive_int, default=d.world_size,
+                   help=f"ranks to start on this machine, a multiple of --model-parallel-size (default: "
+                   f"{d.world_size})")
+    p.add_argument("--model-parallel-size", type=positive_int, default=d.model_parallel_size,
+                   help="tensor model-parallel parts P; each is FSDP-sharded over --world-size / P ranks (default: 1)")
+    p.add_argument("--max-update", type=positive_int, default=d.max_update,
+                   help=f"train until this update, counting the restored run's (default: {d.max_update})")
+    p.add_argument("--save-interval-updates", type=non_negative_int, default=d.save_interval_updates,
+                   help="also save every N updates (default: 0, only at the end)")
+    run_flag("--batch-size", positive_int, d.batch_size, "GLOBAL sequences per update")
+    run_flag("--seq-len", positive_int, d.seq_len, "tokens per sequence")
+    run_flag("--lr", non_negative_float, d.lr, "Adam's learning rate")
+    run_flag("--seed", int, d.seed, "random seed of the initial weights and the data order")
     p.add_argument(
         "--restore-file",
         default=None,
@@ -102,57 +126,80 @@ def build_parser() -> argparse.ArgumentParser:
         help="DIR/checkpoint_last.pt (loads its shard files, P parts x W/P shards) or a consolidated file such as "
         "reshard-model_part-0.pt (with P > 1, one of its per-part files)",
     )
-    p.add_argument("--log-format", choices=["json", "simple"], default=d.log_format)
-    p.add_argument("--decoder-layers", type=int, default=m.decoder_layers)
-    p.add_argument("--decoder-embed-dim", type=int, default=m.decoder_embed_dim)
-    p.add_argument("--decoder-attention-heads", type=int, default=m.decoder_attention_heads)
-    p.add_argument("--decoder-ffn-embed-dim", type=int, default=m.decoder_ffn_embed_dim)
-    p.add_argument("--max-target-positions", type=int, default=m.max_target_positions)
-    p.add_argument("--fused-qkv", action="store_true", help="one qkv_proj per attention layer instead of q/k/v_proj")
+    p.add_argument("--log-format", choices=["json", "simple"], default=d.log_format, help="default: json")
+    model_flag("--decoder-layers", m.decoder_layers)
+    model_flag("--decoder-embed-dim", m.decoder_embed_dim)
+    model_flag("--decoder-attention-heads", m.decoder_attention_heads)
+    model_flag("--decoder-ffn-embed-dim", m.decoder_ffn_embed_dim)
+    model_flag("--max-target-positions", m.max_target_positions)
+    p.add_argument("--fused-qkv", action="store_true", default=None,
+                   help="one qkv_proj per attention layer instead of q/k/v_proj")
     return p
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    model = ModelConfig(
-        decoder_layers=args.decoder_layers,
-        decoder_embed_dim=args.decoder_embed_dim,
-        decoder_attention_heads=args.decoder_attention_heads,
-        decoder_ffn_embed_dim=args.decoder_ffn_embed_dim,
-        max_target_positions=args.max_target_positions,
-        fused_qkv=args.fused_qkv,
-    )
-    names = {f.name for f in dataclasses.fields(TrainConfig)} - {"model"}
-    return TrainConfig(model=model, **{k: v for k, v in vars(args).items() if k in names})
+    """The flags given; those left out from the restored run (see RESTORED) or their defaults."""
+    given = {k: v for k, v in vars(args).items() if v is not None}
+    model_flags = {k: given.pop(k) for k in MODEL_FLAGS if k in given}
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    if not args.restore_file:
+        return TrainConfig(model=ModelConfig(**model_flags), **{k: v for k, v in given.items() if k in fields})
+    check_world_size(args.world_size, args.model_parallel_size)
+    restored = checkpoint_utils.read_restore_files(args.restore_file, args.world_size, args.model_parallel_size)
+    try:
+        model = ModelConfig.from_dict(restored.model_cfg)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"--restore-file {args.restore_file}: cfg['model'] does not describe this model "
+                         f"({e})") from None
+    for name, value in model_flags.items():
+        if value != getattr(model, name):
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"{flag}={value} but the restored model has {name}={getattr(model, name)}: a restored "
+                             f"model's sizes come from its files; drop {flag}")
+    values = {}
+    for name, (section, key) in RESTORED.items():
+        value = restored.cfg.get(section, {}).get(key) if isinstance(restored.cfg.get(section), dict) else None
+        value = value[0] if isinstance(value, list) and value else value  # lr: one per param group
+        if value is not None:
+            values[name] = value
+    values.update((k, v) for k, v in given.items() if k in fields)
+    return TrainConfig(model=model, restored_updates=restored.num_updates, **values)
 
 
 def validate_config(cfg: TrainConfig) -> None:
     """Raise ValueError naming the flag to change."""
-    if cfg.world_size < 1:
-        raise ValueError(f"--world-size={cfg.world_size} must be at least 1")
     validate_parallel_sizes(cfg)
     if cfg.seq_len > cfg.model.max_target_positions:
-        raise ValueError(
-            f"--seq-len={cfg.seq_len} exceeds --max-target-positions={cfg.model.max_target_positions}"
-        )
-    if not os.path.isfile(cfg.data):
-        raise ValueError(f"--data {cfg.data}: no such file")
+        where = "the restored model's max_target_positions=" if cfg.restore_file else "--max-target-positions="
+        raise ValueError(f"--seq-len={cfg.seq_len} exceeds {where}{cfg.model.max_target_positions}; "
+                         "pass a smaller --seq-len")
+    try:
+        if not load_lines(cfg.data):
+            raise ValueError(f"--data {cfg.data}: the file has no non-empty lines; give one example per line")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--data {cfg.data}: cannot read it as UTF-8 text ({getattr(e, 'strerror', None) or e})")
     cfg.model.validate()
-    if cfg.restore_file:
-        checkpoint_utils.find_restore_files(cfg.restore_file, cfg.world_size, cfg.model_parallel_size)
-    else:  # a restored model's sizes come from its files
+    if cfg.restore_file and cfg.max_update <= cfg.restored_updates:
+        raise ValueError(f"--max-update={cfg.max_update} but --restore-file {cfg.restore_file} was saved at update "
+                         f"{cfg.restored_updates}: nothing to train; pass a --max-update above {cfg.restored_updates}")
+    if not cfg.restore_file:  # a restored model's sizes come from its files
         check_model_parallel_sizes(cfg.model, cfg.model_parallel_size)
+    if os.path.exists(cfg.save_dir) and not os.path.isdir(cfg.save_dir):
+        raise ValueError(f"--save-dir {cfg.save_dir} is a file; give a folder for the checkpoints")
 
 
-def validate_parallel_sizes(cfg: TrainConfig) -> None:
-    """W a multiple of P, and the global batch split evenly over the D = W / P data-parallel ranks."""
-    mp, world = cfg.model_parallel_size, cfg.world_size
-    if mp < 1:
-        raise ValueError(f"--model-parallel-size={mp} must be at least 1")
+def check_world_size(world: int, mp: int) -> None:
     if world % mp:
         raise ValueError(
             f"--world-size={world} is not a multiple of --model-parallel-size={mp}; "
             f"use --world-size={max(mp, world - world % mp)} or another multiple of {mp}"
         )
+
+
+def validate_parallel_sizes(cfg: TrainConfig) -> None:
+    """W a multiple of P, and the global batch split evenly over the D = W / P data-parallel ranks."""
+    mp, world = cfg.model_parallel_size, cfg.world_size
+    check_world_size(world, mp)
     if mp == 1 and cfg.batch_size % world:
         raise ValueError(
             f"--batch-size={cfg.batch_size} is not divisible by --world-size={world}; "
@@ -182,13 +229,12 @@ def checkpoint_cfg(cfg: TrainConfig, model_cfg: ModelConfig, layout: RankLayout)
     }
 
 
-def restore(cfg: TrainConfig, rank: int) -> tuple[dict[str, Any] | None, ModelConfig]:
-    """This rank's restore checkpoint (or None) and the model config to build."""
+def restore(cfg: TrainConfig, rank: int) -> dict[str, Any] | None:
+    """This rank's restore checkpoint, or None."""
     if not cfg.restore_file:
-        return None, cfg.model
-    path = checkpoint_utils.find_restore_files(cfg.restore_file, cfg.world_size, cfg.model_parallel_size)[rank]
-    ckpt = load_checkpoint(path)
-    return ckpt, ModelConfig.from_dict(ckpt["cfg"]["model"])
+        return None
+    return load_checkpoint(checkpoint_utils.find_restore_files(cfg.restore_file, cfg.world_size,
+                                                               cfg.model_parallel_size)[rank])
 
 
 def load_restored_state(model: Any, optimizer: torch.optim.Optimizer, ckpt: dict[str, Any]) -> TrainState:
@@ -263,10 +309,12 @@ def train_worker(rank: int, cfg: TrainConfig, init_method: str) -> None:
 
 
 def run_training(layout: RankLayout, cfg: TrainConfig, device: torch.device) -> None:
-    ckpt, model_cfg = restore(cfg, layout.rank)
+    ckpt, model_cfg = restore(cfg, layout.rank), cfg.model
     model = build_fsdp_model(model_cfg, seed=cfg.seed, device=device, layout=layout)
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     state = load_restored_state(model, optimizer, ckpt) if ckpt else TrainState()
+    for group in optimizer.param_groups:  # --lr, not the restored state's, from now on
+        group["lr"] = cfg.lr
     del ckpt
     data = LineDataset(load_lines(cfg.data), cfg.seq_len, cfg.seed)
     start, loss = time.perf_counter() - state.training_time, float("nan")
@@ -308,18 +356,27 @@ def save(model: Any, optimizer: torch.optim.Optimizer, cfg: TrainConfig, model_c
 
 def launch(cfg: TrainConfig) -> None:
     """Start `cfg.world_size` ranks that rendezvous through a file in a temp dir."""
-    os.makedirs(cfg.save_dir, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="metaseq-rdzv-") as tmp:
         init_method = "file://" + os.path.join(tmp, "rendezvous")
         start_ranks(train_worker, (cfg, init_method), cfg.world_size)
 
 
+def make_save_dir(path: str) -> None:
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--save-dir {path}: cannot make the folder ({e.strerror or e}); give another") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"--save-dir {path}: no permission to write there; give another folder")
+
+
 def main(argv: list[str] | None = None) -> int:
     configure_logging()
-    cfg = config_from_args(build_parser().parse_args(argv))
     try:
+        cfg = config_from_args(build_parser().parse_args(argv))
         validate_config(cfg)
-    except (ValueError, CheckpointLoadError) as e:
+        make_save_dir(cfg.save_dir)  # only once all is checked: a refused run leaves nothing behind
+    except (ValueError, UserError) as e:
         logger.error("%s", e)
         return 2
     launch(cfg)
