@@ -34,7 +34,7 @@ from metaseq.torchzip import Copy, DType, NeedsTorch, Opaque, Size, TensorRef, f
 
 __all__ = ["InputFile", "OutFile", "Plan", "Source", "analyze_inputs", "assemble_output", "check_same_save",
            "describe_plan", "expand_model_parts", "output_tensors", "plan_model_parallel", "plan_reshard",
-           "plan_structures", "read_inputs", "summarize_plan", "tensor_ref", "whole_tensor"]
+           "plan_structures", "read_inputs", "saved_at", "summarize_plan", "tensor_ref", "whole_tensor"]
 
 logger = logging.getLogger(__name__)
 
@@ -298,17 +298,19 @@ def analyze_inputs(structures: Sequence[Mapping[str, Any]], labels: Sequence[str
     return Source(model, optim)
 
 
+def saved_at(structure: Mapping[str, Any]) -> tuple[Any, Any]:
+    """(update, seed) of the save a file comes from, where it says (`optimizer_history`, `cfg`); else None."""
+    history = structure.get("optimizer_history")
+    last = history[-1] if isinstance(history, list) and history and isinstance(history[-1], Mapping) else {}
+    marks = last.get("num_updates"), _cfg_field(structure, "common", "seed")
+    return tuple(m if isinstance(m, (int, str)) else None for m in marks)  # plain values (not tensors)
+
+
 def check_same_save(structures: Sequence[Mapping[str, Any]], labels: Sequence[str]) -> None:
     """Refuse files of different saves: every file of a checkpoint is saved at the same update of one run (seed)."""
-    def mark(structure: Mapping[str, Any]) -> tuple[Any, Any]:
-        history = structure.get("optimizer_history")
-        last = history[-1] if isinstance(history, list) and history and isinstance(history[-1], Mapping) else {}
-        marks = last.get("num_updates"), _cfg_field(structure, "common", "seed")
-        return tuple(m if isinstance(m, (int, str)) else None for m in marks)  # plain values (not tensors)
-
-    (updates, seed), name = mark(structures[0]), labels[0]
+    (updates, seed), name = saved_at(structures[0]), labels[0]
     for structure, label in zip(structures[1:], labels[1:]):
-        theirs = mark(structure)
+        theirs = saved_at(structure)
         if theirs[0] != updates:
             raise ReshardError(f"{label} was saved at update {theirs[0]} but {name} at update {updates}: the files "
                                "come from different saves (one cut short?); use the files of one complete save")
