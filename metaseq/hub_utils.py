@@ -35,7 +35,7 @@ from metaseq.file_io import find_shards, folder_hint, load_checkpoint, shard_glo
 from metaseq.hf.errors import ConversionError
 from metaseq.hf.names import upstream_state_for_model
 from metaseq.hf.tokenization import ByteTokenizer, TextTokenizer
-from metaseq.hf.variants import is_upstream_cfg, model_config_from_cfg
+from metaseq.hf.variants import is_upstream_cfg, merge_parts_command, model_config_from_cfg, model_parallel_size
 from metaseq.models.transformer_lm import TransformerLanguageModel, build_model
 from metaseq.reshard import ReshardError, ReshardOptions
 from metaseq.reshard.plan import plan_model_parallel, plan_structures, read_inputs
@@ -52,6 +52,8 @@ __all__ = [
     "build_inference_model",
     "check_state_keys",
     "check_tied_weights",
+    "check_tokenizer_fits",
+    "check_whole_model",
     "generate_ids",
     "load_inference_checkpoint",
     "next_tokens",
@@ -189,6 +191,7 @@ def build_inference_model(ckpt: Mapping[str, Any], *, source: str) -> Transforme
         raise InferenceLoadError(
             f"{source}: no cfg['model'] or no 'model' weights; this is not a metaseq checkpoint"
         ) from None
+    check_whole_model(ckpt["cfg"], source=source)
     state = {clean_key(str(k)): v for k, v in state.items()}  # FSDP's hooks usually did this already
     try:  # this project's dict, or upstream metaseq's Namespace (real OPT; OPT-350m refused)
         if is_upstream_cfg(cfg_model):
@@ -201,6 +204,29 @@ def build_inference_model(ckpt: Mapping[str, Any], *, source: str) -> Transforme
     check_tied_weights(model, state, source=source)
     model.load_state_dict(state, strict=True)
     return model.eval()
+
+
+def check_whole_model(cfg: Any, *, source: str) -> None:
+    """Refuse one part of a model-parallel checkpoint: it holds a slice of each weight, not a model."""
+    parts = model_parallel_size(cfg)
+    if parts != 1:
+        every = re.sub(r"model_part-\d+", "model_part-{j}", source)
+        example = f", --path '{every}'" if every != source else ""
+        raise InferenceLoadError(
+            f"{source}: one part of a model-parallel checkpoint (cfg['common'].model_parallel_size={parts}); "
+            f"pass every part with '{{j}}' for the part number{example}, or merge them first with "
+            f"{merge_parts_command(source)}"
+        )
+
+
+def check_tokenizer_fits(model: TransformerLanguageModel, tokenizer: TextTokenizer, *, source: str) -> None:
+    """A tokenizer with more ids than the model's vocabulary would index past its embedding."""
+    size = getattr(tokenizer, "vocab_size", None)
+    if size is not None and size > model.cfg.vocab_size:
+        raise InferenceLoadError(
+            f"{source}: the tokenizer {getattr(tokenizer, 'source', '')} has {size} ids but the model's vocabulary "
+            f"only {model.cfg.vocab_size}; pass the tokenizer this model was trained with"
+        )
 
 
 def check_tied_weights(model: torch.nn.Module, state: Mapping[str, Any], *, source: str) -> None:
@@ -342,6 +368,8 @@ class GeneratorInterface:
                 "pass its tokenizer: --vocab-filename gpt2-vocab.json --merges-filename gpt2-merges.txt "
                 "(real OPT) or --hf-tokenizer DIR"
             )
+        if tokenizer is not None:
+            check_tokenizer_fits(model, tokenizer, source=path)
         n = sum(p.numel() for p in model.parameters())
         logger.info("loaded %s: %d parameters, %d layers", path, n, model.cfg.decoder_layers)
         return cls(model, tokenizer)

@@ -13,7 +13,7 @@ from transformers import AutoTokenizer, OPTConfig, OPTForCausalLM, pipeline
 
 from metaseq.cli import interactive_cli
 from metaseq.file_io import atomic_torch_save, load_checkpoint
-from metaseq.hf import BPETokenizer, model_config_from_cfg
+from metaseq.hf import BPETokenizer, ByteTokenizer, model_config_from_cfg
 from metaseq.hf.fsdp_layout import fsdp_shard_metadata
 from metaseq.hub_utils import GenerationConfig, GeneratorInterface, build_inference_model
 from metaseq.models.transformer_lm import ModelConfig, build_model
@@ -152,6 +152,7 @@ def test_trained_model_exported_to_hf_gives_hf_our_logits(exported):
     ours = GeneratorInterface.from_checkpoint(str(save_dir / "checkpoint_last.pt")).model
     model, info = OPTForCausalLM.from_pretrained(str(out), output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == [2, *ByteTokenizer.newline_ids]
     tok = AutoTokenizer.from_pretrained(str(out))
     ids = tok(["what is the meaning of life? what do cats chase? and why reshard?"], return_tensors="pt")["input_ids"]
     with torch.no_grad():
@@ -189,6 +190,12 @@ def _bad_config(field, value):
     return change
 
 
+def _mix_dtypes(folder):
+    """fp16 weights with fp32 LayerNorms: FSDP's flat parameters could not keep both dtypes."""
+    state = {k: v if "layer_norm" in k else v.half() for k, v in hf_tensors(folder).items()}
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
 def _untie_head(folder):
     state = hf_tensors(folder)
     state["lm_head.weight"] = state["model.decoder.embed_tokens.weight"] + 1
@@ -197,6 +204,8 @@ def _untie_head(folder):
 
 @pytest.mark.parametrize("change, message", [
     (lambda f: (f / "config.json").unlink(), "no config.json there"),
+    (lambda f: (f / "config.json").write_text("[1, 2]"), "config.json: holds a JSON list, not an object"),
+    (_mix_dtypes, "the weights mix dtypes: 26 float16 .*, 10 float32 .*layer_norm"),
     (lambda f: (f / "model.safetensors").unlink(), "no weights there"),
     (_bad_config("tie_word_embeddings", False), "tie_word_embeddings=False .*not tied"),
     (_untie_head, "'lm_head.weight' differs from the token embedding"),
@@ -327,6 +336,8 @@ def test_real_opt_file_exports_with_kvq_split_and_equal_logits(real_opt, tmp_pat
     path = str(folder / "reshard-model_part-0.pt")
     assert convert_to_hf.main(["--input", path, "--output", str(tmp_path / "hf"), "-q"]) == 0
     state = hf_tensors(tmp_path / "hf")
+    # 14 is the byte tokenizer's newline, not the GPT-2 BPE's: only EOS stops
+    assert json.loads((tmp_path / "hf" / "generation_config.json").read_text())["eos_token_id"] == [2]
     assert state["model.decoder.layers.1.self_attn.q_proj.weight"].dtype == torch.float16
     assert torch.equal(state["model.decoder.layers.1.self_attn.q_proj.weight"].float(),
                        hf_model.model.decoder.layers[1].self_attn.q_proj.weight)
@@ -335,6 +346,19 @@ def test_real_opt_file_exports_with_kvq_split_and_equal_logits(real_opt, tmp_pat
     tokens = torch.randint(0, 300, (2, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert_close_logits(ours(tokens), exported(tokens).logits)
+
+
+def test_real_opt_file_without_head_and_version_exports_as_it_serves(real_opt, tmp_path, monkeypatch, capsys):
+    folder, vocab, merges, _ = real_opt
+    ckpt = load_checkpoint(folder / "reshard-model_part-0.pt")
+    del ckpt["model"]["decoder.output_projection.weight"], ckpt["model"]["decoder.version"]
+    atomic_torch_save(ckpt, tmp_path / "nohead.pt")
+    monkeypatch.setattr(sys, "stdin", io.StringIO("what do cats chase?\n"))
+    assert interactive_cli.main(["--path", str(tmp_path / "nohead.pt"), "--vocab-filename", vocab,
+                                 "--merges-filename", merges, "--max-new-tokens", "3"]) == 0
+    for source, out in ((folder / "reshard-model_part-0.pt", "full"), (tmp_path / "nohead.pt", "nohead")):
+        assert convert_to_hf.main(["--input", str(source), "--output", str(tmp_path / out), "-q"]) == 0
+    assert_same_tensors(hf_tensors(tmp_path / "full"), hf_tensors(tmp_path / "nohead"))
 
 
 @pytest.mark.parametrize("change, field", [
@@ -376,6 +400,40 @@ def test_model_parallel_part_is_refused_for_export(tmp_path, capsys):
     atomic_torch_save(ckpt, tmp_path / "part.pt")
     code, err = _run_cli(convert_to_hf, ["--input", str(tmp_path / "part.pt"), "--output", str(tmp_path / "hf")], capsys)
     assert code == 2 and "model_parallel_size=2" in err and not (tmp_path / "hf").exists()
+    assert "reshard_model_parallel" in err and "--num-output-parts 1" in err and len(err.splitlines()) == 1
+
+
+def test_inputs_of_several_model_parts_or_a_folder_are_refused_naming_the_fix(tmp_path, capsys):
+    ckpt = {"model": build_model(ModelConfig(), seed=0).state_dict(), "cfg": {"model": ModelConfig().to_dict()}}
+    for j in range(2):
+        atomic_torch_save(ckpt, tmp_path / f"reshard-model_part-{j}.pt")
+    code, err = _run_cli(convert_to_hf, ["--input", str(tmp_path / "reshard-model_part-*.pt"),
+                                         "--output", str(tmp_path / "hf")], capsys)
+    assert code == 2 and "matches model parts [0, 1]" in err and "--num-output-parts 1" in err, err
+    assert "--input-glob-pattern" not in err  # a flag of reshard_fsdp, not of convert_to_hf
+    code, err = _run_cli(convert_to_hf, ["--input", str(tmp_path), "--output", str(tmp_path / "hf")], capsys)
+    assert code == 2 and "it is a folder: name a checkpoint in it" in err and "reshard-model_part-0.pt" in err
+    assert not (tmp_path / "hf").exists()
+
+
+def test_output_folder_holding_the_inputs_or_the_cwd_is_refused_and_nothing_is_lost(tmp_path, capsys, monkeypatch):
+    make_hf_model(tmp_path / "hf", vocab_size=260)
+    shards = tmp_path / "w2" / SHARDS
+    assert convert_from_hf.main(["--input", str(tmp_path / "hf"), "--output-shard-name", str(shards),
+                                 "--num-output-shards", "2", "-q"]) == 0
+    glob_ = str(shards).replace("{i}", "*")
+    for output in (tmp_path / "w2", tmp_path):  # the inputs' folder, or one above it
+        code, err = _run_cli(convert_to_hf, ["--input", glob_, "--output", str(output), "--overwrite"], capsys)
+        assert code == 2 and f"--output {output} holds the input" in err and len(err.splitlines()) == 1, err
+    assert sorted(os.listdir(tmp_path / "w2")) == [SHARDS.format(i=i) for i in range(2)]
+    (tmp_path / "empty").mkdir()
+    monkeypatch.chdir(tmp_path / "empty")
+    code, err = _run_cli(convert_to_hf, ["--input", glob_, "--output", "."], capsys)
+    assert code == 2 and "--output . is (or holds) the current folder" in err
+    assert os.listdir(".") == []  # no stray temp folder
+    code, err = _run_cli(convert_to_hf, ["--input", glob_, "--output", str(tmp_path / "w2" / SHARDS.format(i=0) / "x")],
+                         capsys)
+    assert code == 2 and "--output " in err and "cannot create it" in err and ".tmp" not in err
 
 
 @pytest.mark.parametrize("module", [convert_to_hf, convert_from_hf])

@@ -10,8 +10,11 @@ import time
 import pytest
 
 from metaseq.cli import interactive_cli
+from metaseq.file_io import atomic_torch_save
 from metaseq.hub_utils import GenerationConfig, GeneratorInterface
+from metaseq.models.transformer_lm import ModelConfig, build_model
 from metaseq.scripts.reshard_fsdp import reshard_fsdp_checkpoints
+from test_hf_tokenizer import write_gpt2_files
 from training import REPO, run_train
 
 QUESTION = "what is the meaning of life?"
@@ -144,3 +147,31 @@ def test_terminal_session_shows_prompt_answers_and_exits_on_ctrl_d(memorized):
         os.close(master)
     assert bytes(seen).count(answer) == 1
     assert b"Traceback" not in proc.stderr.read()
+
+
+def _save_model(path, **cfg):
+    """A random default-size model (the byte tokenizer's 260 tokens) as a consolidated file."""
+    atomic_torch_save({"model": build_model(ModelConfig(), seed=0).state_dict(),
+                       "cfg": {"model": ModelConfig().to_dict(), **cfg}}, path)
+    return str(path)
+
+
+def test_one_model_parallel_part_is_refused_naming_the_j_path_and_the_merge(tmp_path, capsys):
+    part = _save_model(tmp_path / "reshard-model_part-0.pt", common={"model_parallel_size": 2})
+    assert interactive_cli.main(["--path", part]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "model_parallel_size=2" in err[0], err
+    assert f"--path '{tmp_path}/reshard-model_part-{{j}}.pt'" in err[0] and "--num-output-parts 1" in err[0]
+
+
+def test_tokenizer_with_more_ids_than_the_model_or_a_corrupt_one_is_refused(tmp_path, capsys):
+    path = _save_model(tmp_path / "reshard-model_part-0.pt")
+    vocab, merges, _ = write_gpt2_files(tmp_path)  # 300 ids
+    assert interactive_cli.main(["--path", path, "--vocab-filename", vocab, "--merges-filename", merges]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "has 300 ids but the model's vocabulary only 260" in err[0], err
+    (tmp_path / "badtok").mkdir()
+    (tmp_path / "badtok" / "tokenizer.json").write_text('{"x":')
+    assert interactive_cli.main(["--path", path, "--hf-tokenizer", str(tmp_path / "badtok")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"--hf-tokenizer {tmp_path / 'badtok'}: cannot read" in err[0], err

@@ -1,13 +1,13 @@
 """`config.json` / `generation_config.json` of Hugging Face's OPT, to and from `ModelConfig` (pure)."""
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Collection, Mapping
 
 import torch
 
 from metaseq.hf.errors import ConversionError
 from metaseq.models.transformer_lm import ModelConfig
-from metaseq.tokenizer import BOS, EOS, NUM_SPECIAL, PAD, UNK
+from metaseq.tokenizer import BOS, EOS, PAD, UNK
 
 __all__ = [
     "DTYPE_NAMES",
@@ -17,8 +17,6 @@ __all__ = [
 ]
 
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
-NEWLINE = NUM_SPECIAL + ord("\n")  # the byte tokenizer's id of "\n"
-
 # (HF field, value this project's model computes, what another value would mean)
 _REQUIRED = [
     ("do_layer_norm_before", True, "post-LayerNorm blocks (OPT-350m's variant)"),
@@ -60,10 +58,11 @@ def hf_config(config: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
     }
 
 
-def hf_generation_config(config: ModelConfig) -> dict[str, Any]:
+def hf_generation_config(config: ModelConfig, *, newline_ids: Collection[int] = ()) -> dict[str, Any]:
     """Greedy decoding as `metaseq.cli.interactive_cli` does it by default.
 
-    BOS, PAD and UNK are never generated; EOS and a newline stop. Generation stops at
+    BOS, PAD and UNK are never generated; EOS and the tokenizer's `newline_ids` stop (pass
+    them only when the tokenizer is known: a GPT-2 BPE's newline ids are not 14). Generation stops at
     the model's context (`max_length`); our CLI's `--max-new-tokens` (64) is not carried,
     so pass `max_new_tokens` to `generate` for the same cap.
     """
@@ -72,7 +71,7 @@ def hf_generation_config(config: ModelConfig) -> dict[str, Any]:
         "num_beams": 1,
         "bos_token_id": BOS,
         "pad_token_id": PAD,
-        "eos_token_id": [EOS, NEWLINE],
+        "eos_token_id": [EOS, *sorted(newline_ids)],
         "suppress_tokens": [BOS, PAD, UNK],
         "max_length": int(config.max_target_positions),
     }

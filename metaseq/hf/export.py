@@ -21,22 +21,24 @@ from typing import Any, Mapping
 
 import torch
 
-from metaseq.file_io import load_checkpoint
+from metaseq.file_io import folder_hint, load_checkpoint, natural_sort_key
 from metaseq.hf.config import DTYPE_NAMES, hf_config, hf_generation_config
 from metaseq.hf.errors import ConversionError
-from metaseq.hf.names import check_state_matches_model, split_fused_qkv, to_hf_state_dict
+from metaseq.hf.names import check_state_matches_model, split_fused_qkv, to_hf_state_dict, upstream_state_for_model
 from metaseq.hf.outdir import atomic_directory, check_output_directory
-from metaseq.hf.tokenization import byte_tokenizer_files, require
-from metaseq.hf.variants import fused_qkv_order, is_opt_exact, is_upstream_cfg, model_config_from_cfg
+from metaseq.hf.tokenization import ByteTokenizer, byte_tokenizer_files, require
+from metaseq.hf.variants import (FUSED_QKV_ORDER_OURS, is_opt_exact, is_upstream_cfg, merge_parts_command,
+                                 model_config_from_cfg, model_parallel_size)
 from metaseq.models.transformer_lm import ModelConfig
 from metaseq.reshard import reshard_fsdp_checkpoints
 from metaseq.tokenizer import VOCAB_SIZE
 
-__all__ = ["convert_to_hf", "hf_tensors_from_checkpoint", "write_hf_folder"]
+__all__ = ["convert_to_hf", "hf_tensors_from_checkpoint", "input_files", "write_hf_folder"]
 
 logger = logging.getLogger(__name__)
 
 _GLOB_CHARS = re.compile(r"[*?\[]")
+_PART = re.compile(r"model_part-(\d+)")
 _WRAPPERS = re.compile(r"(^|\.)(_fsdp_wrapped_module|_fpw_module)\.")
 SAFETENSORS_NAME = "model.safetensors"
 
@@ -46,10 +48,12 @@ def convert_to_hf(input_path: str, output_dir: str | os.PathLike, *, overwrite: 
     """Write `output_dir` from a consolidated file or a glob of one model part's raw shards.
 
     Raises ConversionError (or CheckpointLoadError/ReshardError) before writing anything
-    when the input cannot be converted: old-variant or OPT-350m models, unknown weights.
+    when the input cannot be converted: old-variant or OPT-350m models, unknown weights,
+    model-parallel parts, an output folder that holds an input (replacing it would delete it).
     """
     input_path, output_dir = os.path.expanduser(input_path), os.path.expanduser(output_dir)  # a quoted '~' too
-    check_output_directory(output_dir, overwrite=overwrite)
+    check_output_directory(output_dir, overwrite=overwrite)  # the cheap checks first
+    check_output_directory(output_dir, overwrite=overwrite, inputs=input_files(input_path))
     require("safetensors")
     with tempfile.TemporaryDirectory(prefix="metaseq-to-hf-") as tmp:
         ckpt = _load_unflattened(input_path, tmp, trust_checkpoint)
@@ -57,23 +61,40 @@ def convert_to_hf(input_path: str, output_dir: str | os.PathLike, *, overwrite: 
         with_tokenizer = not is_upstream_cfg(ckpt["cfg"]["model"]) and config.vocab_size == VOCAB_SIZE
         if not with_tokenizer:
             logger.warning("%s: a vocabulary of %d tokens is not this project's byte tokenizer; no tokenizer "
-                           "files written: copy the model's own (e.g. an HF OPT tokenizer) into %s",
-                           input_path, config.vocab_size, output_dir)
+                           "files written and only EOS stops generation: copy the model's own tokenizer (e.g. an "
+                           "HF OPT tokenizer) into %s", input_path, config.vocab_size, output_dir)
         out = write_hf_folder(output_dir, config, tensors, overwrite=overwrite, with_tokenizer=with_tokenizer)
     logger.info("wrote %s: %d tensors, %s", out, len(tensors), DTYPE_NAMES[_dtype(tensors)])
     return out
 
 
+def input_files(input_path: str) -> list[str]:
+    """The files `--input` names (a file, or a glob of one model part's shards), each checked to be readable."""
+    if _GLOB_CHARS.search(input_path) is None:
+        hint = folder_hint(input_path, globs=True)
+        if hint:
+            raise ConversionError(f"--input {input_path}{hint}")
+        if not os.path.isfile(input_path):
+            raise ConversionError(f"--input {input_path}: no such file (quote a glob of raw shards: 'DIR/*-shard*.pt')")
+        files = [input_path]
+    else:
+        files = sorted((p for p in glob.glob(input_path) if os.path.isfile(p)), key=natural_sort_key)
+        if not files:
+            raise ConversionError(f"--input {input_path!r} matches no files")
+        parts = sorted({int(m.group(1)) for p in files if (m := _PART.search(os.path.basename(p)))})
+        if len(parts) > 1:
+            raise ConversionError(f"--input {input_path!r} matches model parts {parts} of a model-parallel "
+                                  f"checkpoint; export needs the whole model in one part: merge them first with "
+                                  f"{merge_parts_command(files[0])}, then pass its output as --input")
+    return files
+
+
 def _load_unflattened(input_path: str, tmp: str, trust: bool) -> dict[str, Any]:
     """The checkpoint with unflattened weights, tensors mapped from disk."""
     if _GLOB_CHARS.search(input_path) is None:
-        if not os.path.isfile(input_path):
-            raise ConversionError(f"--input {input_path}: no such file (quote a glob of raw shards: 'DIR/*-shard*.pt')")
         ckpt = load_checkpoint(input_path, mmap=True, trust=trust)
         if not any("flat_param_" in str(k) for k in ckpt.get("model", {})):
             return ckpt
-    elif not glob.glob(input_path):
-        raise ConversionError(f"--input {input_path!r} matches no files")
     consolidated = os.path.join(tmp, "consolidated.pt")
     reshard_fsdp_checkpoints(input_path, consolidated, unflatten_weights=True, skip_optimizer_state=True,
                              trust_checkpoint=trust)
@@ -87,11 +108,17 @@ def hf_tensors_from_checkpoint(ckpt: Mapping[str, Any], *, source: str) -> tuple
         cfg_model, state = ckpt["cfg"]["model"], ckpt["model"]
     except (KeyError, TypeError):
         raise ConversionError(f"{source}: no cfg['model'] or no 'model' weights; this is not a metaseq checkpoint") from None
-    parts = (ckpt["cfg"].get("common") or {}).get("model_parallel_size", 1)
+    parts = model_parallel_size(ckpt["cfg"])
     if parts != 1:
         raise ConversionError(f"{source}: one part of a model-parallel checkpoint (cfg['common'].model_parallel_size="
-                              f"{parts}) holds a slice of each weight; exporting needs the whole model in one part")
+                              f"{parts}) holds a slice of each weight; export needs the whole model in one part: "
+                              f"merge the parts first with {merge_parts_command(source)}, "
+                              "then pass its output as --input")
     state = {_WRAPPERS.sub(r"\1", str(k)): v for k, v in state.items()}
+    if is_upstream_cfg(cfg_model):  # as inference completes it: K, V, Q split, tied head and version added if absent
+        state = upstream_state_for_model(state)
+    else:
+        state = split_fused_qkv(state, FUSED_QKV_ORDER_OURS)
     config = model_config_from_cfg(cfg_model, state, source=source)
     if not is_opt_exact(config):
         raise ConversionError(
@@ -100,7 +127,6 @@ def hf_tensors_from_checkpoint(ckpt: Mapping[str, Any], *, source: str) -> tuple
             "and its positions not offset by 2, which OPTForCausalLM cannot compute exactly; serve it with "
             "metaseq.cli.interactive_cli, or retrain it with the current metaseq.cli.train to export it"
         )
-    state = split_fused_qkv(state, fused_qkv_order(cfg_model))
     if getattr(config, "fused_qkv", False):  # HF's OPT has q_proj, k_proj, v_proj
         config = dataclasses.replace(config, fused_qkv=False)
     check_state_matches_model(config, state, source=source)
@@ -117,10 +143,13 @@ def _dtype(tensors: Mapping[str, torch.Tensor]) -> torch.dtype:
 
 def write_hf_folder(output_dir: str | os.PathLike, config: ModelConfig, tensors: Mapping[str, torch.Tensor], *,
                     overwrite: bool = False, with_tokenizer: bool = True) -> Path:
-    """config.json, generation_config.json, model.safetensors (+ the byte tokenizer's files), atomically."""
+    """config.json, generation_config.json, model.safetensors (+ the byte tokenizer's files), atomically.
+
+    Generation stops at a newline only `with_tokenizer` (the byte tokenizer, whose newline id is known)."""
+    newline_ids = ByteTokenizer.newline_ids if with_tokenizer else ()
     files = {
         "config.json": _json(hf_config(config, _dtype(tensors))),
-        "generation_config.json": _json(hf_generation_config(config)),
+        "generation_config.json": _json(hf_generation_config(config, newline_ids=newline_ids)),
     }
     if with_tokenizer:
         files.update(byte_tokenizer_files(config.max_target_positions))

@@ -27,7 +27,7 @@ from metaseq.hf.tokenization import require
 from metaseq.models.transformer_lm import ModelConfig
 from metaseq.reshard import reshard_fsdp_checkpoints
 
-__all__ = ["checkpoint_from_hf", "convert_from_hf", "read_hf_folder"]
+__all__ = ["check_one_dtype", "checkpoint_from_hf", "convert_from_hf", "read_hf_folder"]
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +92,9 @@ def read_hf_folder(folder: str | os.PathLike) -> tuple[dict[str, Any], dict[str,
         hf_cfg = json.loads(config_path.read_text(encoding="utf-8"))
     except ValueError as e:
         raise ConversionError(f"{config_path}: not valid JSON ({e})") from None
+    if not isinstance(hf_cfg, dict):
+        raise ConversionError(f"{config_path}: holds a JSON {type(hf_cfg).__name__}, not an object of model fields; "
+                              "pass a Hugging Face model folder (its config.json as save_pretrained writes it)")
     return hf_cfg, _read_weights(folder)
 
 
@@ -144,6 +147,7 @@ def _read_pytorch_bin(path: Path) -> dict[str, torch.Tensor]:
 def checkpoint_from_hf(hf_cfg: Mapping[str, Any], state: Mapping[str, torch.Tensor], *, source: str) -> dict[str, Any]:
     """A consolidated, unflattened checkpoint dict (the layout `reshard_fsdp --unflatten-weights` writes)."""
     config = model_config_from_hf(hf_cfg, source=f"{source}/config.json")
+    check_one_dtype(state, source=source)
     ours = from_hf_state_dict(state, source=source)
     check_state_matches_model(config, ours, source=source)
     return {
@@ -154,6 +158,19 @@ def checkpoint_from_hf(hf_cfg: Mapping[str, Any], state: Mapping[str, torch.Tens
                                "lr_scheduler_state": {}, "num_updates": 0}],
         "extra_state": {"metrics": {}, "previous_training_time": 0.0, "train_iterator": None},
     }
+
+
+def check_one_dtype(state: Mapping[str, torch.Tensor], *, source: str) -> None:
+    """Refuse weights of several dtypes (e.g. fp16 with fp32 LayerNorms): FSDP flattens each instance's
+    parameters into one tensor of one dtype, so they could not keep their dtypes."""
+    by_dtype: dict[torch.dtype, list[str]] = {}
+    for key, tensor in state.items():
+        by_dtype.setdefault(tensor.dtype, []).append(key)
+    if len(by_dtype) > 1:
+        counts = ", ".join(f"{len(keys)} {str(d).replace('torch.', '')} (e.g. {keys[0]})" for d, keys in
+                           sorted(by_dtype.items(), key=lambda item: -len(item[1])))
+        raise ConversionError(f"{source}: the weights mix dtypes: {counts}; weights keep their dtype, so save the "
+                              "model in one first, e.g. model.to(torch.float16).save_pretrained(DIR)")
 
 
 def _cfg(config: ModelConfig, source: str) -> dict[str, Any]:

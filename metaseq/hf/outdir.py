@@ -6,39 +6,59 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 from metaseq.hf.errors import ConversionError
 
 __all__ = ["atomic_directory", "check_output_directory"]
 
 
-def check_output_directory(path: str | os.PathLike, *, overwrite: bool, flag: str = "--output") -> None:
-    """Refuse a file, or an existing non-empty folder without `overwrite`, before anything is read or written."""
+def check_output_directory(path: str | os.PathLike, *, overwrite: bool, inputs: Sequence[str] = (),
+                           flag: str = "--output") -> None:
+    """Refuse, before anything is read or written: a file; an existing non-empty folder without `overwrite`;
+    a folder that holds one of the `inputs` (replacing it would delete them) or the current folder."""
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise ConversionError(f"{flag} {path} is a file; give a folder name")
-    if path.is_dir() and any(path.iterdir()) and not overwrite:
+    if not path.is_dir():
+        return
+    real = path.resolve()
+    for name in inputs:
+        if real in Path(name).resolve().parents:
+            raise ConversionError(f"{flag} {path} holds the input {name}, which replacing the folder would delete; "
+                                  f"give {flag} a folder without inputs, e.g. {flag} {os.path.join(path, 'hf_model')}")
+    if real == Path.cwd().resolve() or real in Path.cwd().resolve().parents:
+        raise ConversionError(f"{flag} {path} is (or holds) the current folder, which cannot be replaced; "
+                              f"give {flag} a new folder, e.g. {flag} hf_model")
+    if any(path.iterdir()) and not overwrite:
         raise ConversionError(f"{flag} {path} exists and is not empty; pass --overwrite to replace it")
 
 
 @contextlib.contextmanager
-def atomic_directory(path: str | os.PathLike, *, overwrite: bool) -> Iterator[Path]:
+def atomic_directory(path: str | os.PathLike, *, overwrite: bool, flag: str = "--output") -> Iterator[Path]:
     """Yield a temp folder beside `path`; on success it replaces `path` (parents created).
 
     On any error the temp folder is removed and `path` is left as it was. An existing
-    folder is replaced only with `overwrite` (or when empty).
+    folder is replaced only with `overwrite` (or when empty). A folder that cannot be
+    created or written is reported as a ConversionError naming `flag`.
     """
-    path = Path(path)
-    check_output_directory(path, overwrite=overwrite)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    path = Path(os.path.abspath(path))  # `.name` of "." or "dir/.." is not the folder's name
+    check_output_directory(path, overwrite=overwrite, flag=flag)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    except OSError as e:
+        raise ConversionError(f"{flag} {path}: cannot create it ({e.strerror}); choose a folder you can write to"
+                              ) from None
     try:
         yield tmp
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it 0700
         _swap_into_place(tmp, path)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise ConversionError(f"{flag} {path}: cannot write it ({e.strerror or e}); nothing was written; "
+                                  "check the free space and permissions there") from None
         raise
 
 
@@ -47,8 +67,17 @@ def _swap_into_place(tmp: Path, path: Path) -> None:
         os.rename(tmp, path)
         return
     old = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".old", dir=path.parent))
-    os.rename(path, old / path.name)
-    os.rename(tmp, path)
+    try:
+        os.rename(path, old / path.name)
+    except BaseException:
+        old.rmdir()
+        raise
+    try:
+        os.rename(tmp, path)
+    except BaseException:
+        os.rename(old / path.name, path)  # put the old folder back
+        old.rmdir()
+        raise
     shutil.rmtree(old, ignore_errors=True)
 
 

@@ -39,6 +39,7 @@ SPECIAL_TOKENS = ("<s>", "<pad>", "</s>", "<unk>")  # ids 0..3 in metaseq's dict
 
 class TextTokenizer(Protocol):
     newline_ids: frozenset[int]
+    vocab_size: int  # ids 0..vocab_size-1; a model must have at least as many tokens
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -49,6 +50,7 @@ class ByteTokenizer:
     """This project's byte tokenizer (`metaseq.tokenizer`) behind the `TextTokenizer` interface."""
 
     newline_ids = frozenset({byte_tok.NUM_SPECIAL + ord("\n")})
+    vocab_size = byte_tok.VOCAB_SIZE
 
     def encode(self, text: str) -> list[int]:
         return byte_tok.encode(text, bos=True)
@@ -77,7 +79,8 @@ class BPETokenizer:
         self.tok = tok
         self.start_id = start_id
         self.source = source
-        texts = tok.decode_batch([[i] for i in range(tok.get_vocab_size())], skip_special_tokens=True)
+        self.vocab_size = tok.get_vocab_size()  # added tokens included
+        texts = tok.decode_batch([[i] for i in range(self.vocab_size)], skip_special_tokens=True)
         self.newline_ids = frozenset(i for i, text in enumerate(texts) if "\n" in text)
 
     @classmethod
@@ -106,7 +109,11 @@ class BPETokenizer:
         config = _read_json(os.path.join(folder, "tokenizer_config.json"), missing_ok=True)
         path = os.path.join(folder, "tokenizer.json")
         if os.path.isfile(path):
-            tok = tk.Tokenizer.from_file(path)
+            try:
+                tok = tk.Tokenizer.from_file(path)
+            except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
+                raise ConversionError(f"--hf-tokenizer {folder}: cannot read {path} ({e}); is the file complete? "
+                                      "copy the tokenizer folder again") from None
         elif os.path.isfile(os.path.join(folder, "vocab.json")):
             return _hf_vocab_merges(folder, config)
         else:
@@ -152,9 +159,12 @@ def _read_json(path: str, *, missing_ok: bool = False) -> dict[str, Any]:
         return {}
     try:
         with open(path, encoding="utf-8") as f:
-            return json.load(f)
+            found = json.load(f)
     except (OSError, ValueError) as e:
         raise ConversionError(f"{path}: cannot read it as JSON ({e})") from None
+    if not isinstance(found, dict):
+        raise ConversionError(f"{path}: holds a JSON {type(found).__name__}, not an object of tokenizer fields")
+    return found
 
 
 def byte_level_chars() -> list[str]:

@@ -17,6 +17,8 @@ blocks) and other architectures are refused with a `ConversionError` naming the 
 from __future__ import annotations
 
 import argparse
+import os
+import re
 from typing import Any, Mapping
 
 from metaseq.hf.errors import ConversionError
@@ -27,10 +29,11 @@ __all__ = [
     "FUSED_QKV_ORDER_OURS",
     "cfg_as_dict",
     "check_supported_state",
-    "fused_qkv_order",
     "is_opt_exact",
     "is_upstream_cfg",
+    "merge_parts_command",
     "model_config_from_cfg",
+    "model_parallel_size",
 ]
 
 # Upstream metaseq's sequence-parallel layer stores K, V, Q on dim 0 despite the name
@@ -121,6 +124,22 @@ def is_opt_exact(config: ModelConfig) -> bool:
     return config.no_scale_embedding and config.position_offset == 2
 
 
-def fused_qkv_order(cfg_model: Any) -> tuple[str, str, str]:
-    """The block order of a fused `qkv_proj` on dim 0: K, V, Q in upstream metaseq's files, Q, K, V in ours."""
-    return FUSED_QKV_ORDER_METASEQ if is_upstream_cfg(cfg_model) else FUSED_QKV_ORDER_OURS
+def model_parallel_size(cfg: Any) -> int:
+    """`cfg["common"].model_parallel_size` of a checkpoint's cfg (a dict or Namespace); 1 when absent."""
+    common = cfg.get("common") if isinstance(cfg, Mapping) else getattr(cfg, "common", None)
+    if isinstance(common, argparse.Namespace):
+        common = vars(common)
+    size = common.get("model_parallel_size", 1) if isinstance(common, Mapping) else 1
+    return 1 if size is None else int(size)
+
+
+def merge_parts_command(part_file: str) -> str:
+    """The reshard_model_parallel command that merges the parts of `part_file`'s set into one consolidated file,
+    `DIR/merged/reshard-model_part-0.pt` (DIR: the folder of `part_file`)."""
+    name = os.path.basename(part_file)
+    pattern = re.sub(r"model_part-\d+", "model_part-*", name)
+    pattern = re.sub(r"-shard\d+\.pt$", "-shard*.pt", pattern)
+    folder = os.path.dirname(part_file) or "."
+    return (f"python -m metaseq.scripts.reshard_model_parallel --input '{os.path.join(folder, pattern)}' "
+            f"--output '{os.path.join(folder, 'merged', 'reshard-model_part-{j}.pt')}' --num-output-parts 1 "
+            "--unflatten-weights True --skip-optimizer-state True")

@@ -31,8 +31,9 @@ examples:
 DIR holds config.json and model.safetensors (or a sharded model.safetensors.index.json, or
 pytorch_model.bin); weight names may or may not start with 'model.'; an lm_head must equal the
 token embedding. Weights keep their bytes and dtype. Refused, with nothing written: a missing
-config.json or weights, untied heads, activations other than ReLU, post-LayerNorm (OPT-350m,
-word_embed_proj_dim != hidden_size) and models without biases or LayerNorm weights.
+config.json or weights, weights of several dtypes (fp16 with fp32 LayerNorms), untied heads,
+activations other than ReLU, post-LayerNorm (OPT-350m, word_embed_proj_dim != hidden_size)
+and models without biases or LayerNorm weights.
 """
 
 def build_parser() -> argparse.ArgumentParser:

@@ -31,7 +31,9 @@ then, offline:
 DIR gets config.json, generation_config.json, model.safetensors (weights bit-identical, same
 dtype, lm_head tied) and, for this project's byte vocabulary, tokenizer.json and
 tokenizer_config.json. Checkpoints written before the OPT-exact model change and OPT-350m's
-variant are refused. Optimizer state is not exported.
+variant are refused, and so are model-parallel parts (merge them first:
+reshard_model_parallel --num-output-parts 1) and a DIR that holds an input or the current
+folder. Optimizer state is not exported.
 """
 
 
