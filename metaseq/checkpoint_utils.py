@@ -21,8 +21,8 @@ import torch
 
 from metaseq.distributed.fsdp import lazy_init_all
 from metaseq.errors import UserError
-from metaseq.file_io import (atomic_torch_save, checkpoint_prefix, folder_hint, natural_sort_key, shard_file_name,
-                             shard_glob)
+from metaseq.file_io import (atomic_torch_save, checkpoint_prefix, folder_hint, load_checkpoint, natural_sort_key,
+                             shard_file_name, shard_glob)
 from metaseq.reshard.layout import analyze_model
 from metaseq.reshard.plan import check_same_save, read_inputs, saved_at
 from metaseq.torchzip import Opaque
@@ -149,17 +149,26 @@ class Restored(NamedTuple):
     model_cfg: Mapping[str, Any] | Namespace  # cfg['model'], as ModelConfig.from_dict takes it
 
 
-def read_restore_files(restore_file: str, world_size: int, model_parallel_size: int = 1) -> Restored:
+def read_restore_files(restore_file: str, world_size: int, model_parallel_size: int = 1, *,
+                       trust: bool = False) -> Restored:
     """`find_restore_files`, then every file's structure read (no tensor data) and checked as the reshard tool checks
-    its inputs (one save, one model, every shard there), so that the ranks never start on a set they cannot load."""
+    its inputs (one save, one model, every shard there), and unpickled as the ranks will load it (`trust`: see
+    `load_checkpoint`; tensors mapped, not read), so that the ranks never start on a set they cannot load."""
     files = find_restore_files(restore_file, world_size, model_parallel_size)
     unique, parts = list(dict.fromkeys(files)), model_parallel_size  # in rank order: part r % P, shard r // P
     try:
-        structures = [i.structure for i in read_inputs(unique)]
+        structures = [i.structure for i in read_inputs(unique, trust=trust)]
         check_same_save(structures, unique)
         layouts = [analyze_model(structures[j::parts], unique[j::parts]) for j in range(parts)]
     except UserError as e:
         raise RestoreError(f"--restore-file {restore_file}: {e}") from None
+    try:
+        for path in unique:
+            load_checkpoint(path, mmap=True, trust=trust)
+    except UserError as e:
+        hint = ("; upstream metaseq's data loader state holds such objects: python -m metaseq.scripts.reshard_fsdp "
+                "--drop-metaseq-req writes a copy without it") if "objects of" in str(e) or "outside" in str(e) else ""
+        raise RestoreError(f"--restore-file {restore_file}: {e}{hint}") from None
     if is_consolidated_file(restore_file) and not layouts[0].unflattened and world_size > parts:
         raise RestoreError(
             f"--restore-file {restore_file} holds the flat weights of one FSDP shard, which load only with one rank "

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from metaseq.errors import UserError
 from metaseq.file_io import find_shards, folder_hint, load_checkpoint, shard_glob
 from metaseq.hf.errors import ConversionError
-from metaseq.hf.names import upstream_state_for_model
+from metaseq.hf.names import check_state_matches_model, upstream_state_for_model
 from metaseq.hf.tokenization import ByteTokenizer, TextTokenizer
 from metaseq.hf.variants import is_upstream_cfg, merge_parts_command, model_config_from_cfg, model_parallel_size
 from metaseq.models.transformer_lm import TransformerLanguageModel, build_model
@@ -191,7 +191,6 @@ def build_inference_model(ckpt: Mapping[str, Any], *, source: str) -> Transforme
         raise InferenceLoadError(
             f"{source}: no cfg['model'] or no 'model' weights; this is not a metaseq checkpoint"
         ) from None
-    check_whole_model(ckpt["cfg"], source=source)
     state = {clean_key(str(k)): v for k, v in state.items()}  # FSDP's hooks usually did this already
     try:  # this project's dict, or upstream metaseq's Namespace (real OPT; OPT-350m refused)
         if is_upstream_cfg(cfg_model):
@@ -199,6 +198,11 @@ def build_inference_model(ckpt: Mapping[str, Any], *, source: str) -> Transforme
         model_cfg = model_config_from_cfg(cfg_model, state, source=source)
     except ConversionError as e:
         raise InferenceLoadError(str(e)) from None
+    if model_parallel_size(ckpt["cfg"]) != 1:  # one part, unless whole (upstream's merged restored.pt keeps P)
+        try:
+            check_state_matches_model(model_cfg, state, source=source)
+        except ConversionError:
+            check_whole_model(ckpt["cfg"], source=source)
     model = build_model(model_cfg)
     check_state_keys(set(model.state_dict()), set(state), source=source)
     check_tied_weights(model, state, source=source)
@@ -207,10 +211,11 @@ def build_inference_model(ckpt: Mapping[str, Any], *, source: str) -> Transforme
 
 
 def check_whole_model(cfg: Any, *, source: str) -> None:
-    """Refuse one part of a model-parallel checkpoint: it holds a slice of each weight, not a model."""
+    """Refuse one part of a model-parallel checkpoint (whose weights do not fit the model cfg describes): it holds
+    a slice of each weight, not a model."""
     parts = model_parallel_size(cfg)
     if parts != 1:
-        every = re.sub(r"model_part-\d+", "model_part-{j}", source)
+        every = re.sub(r"-shard\d+\.pt$", "-shard*.pt", re.sub(r"model_part-\d+", "model_part-{j}", source))
         example = f", --path '{every}'" if every != source else ""
         raise InferenceLoadError(
             f"{source}: one part of a model-parallel checkpoint (cfg['common'].model_parallel_size={parts}); "

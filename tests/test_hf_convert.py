@@ -16,6 +16,7 @@ from metaseq.file_io import atomic_torch_save, load_checkpoint
 from metaseq.hf import BPETokenizer, ByteTokenizer, model_config_from_cfg
 from metaseq.hf.fsdp_layout import fsdp_shard_metadata
 from metaseq.hub_utils import GenerationConfig, GeneratorInterface, build_inference_model
+from metaseq.models.partition import split_param
 from metaseq.models.transformer_lm import ModelConfig, build_model
 from metaseq.scripts import convert_from_hf, convert_to_hf, reshard_fsdp
 from test_hf_tokenizer import write_gpt2_files
@@ -394,13 +395,22 @@ def test_our_fused_qkv_model_exports_q_k_v_blocks_with_equal_logits(tmp_path):
         assert_close_logits(model(tokens), OPTForCausalLM.from_pretrained(str(tmp_path / "hf"))(tokens).logits)
 
 
-def test_model_parallel_part_is_refused_for_export(tmp_path, capsys):
-    model = build_model(ModelConfig(), seed=0)
-    ckpt = {"model": model.state_dict(), "cfg": {"model": ModelConfig().to_dict(), "common": {"model_parallel_size": 2}}}
-    atomic_torch_save(ckpt, tmp_path / "part.pt")
+def test_model_parallel_part_is_refused_for_export_but_a_merged_file_that_keeps_p_in_cfg_is_not(tmp_path, capsys):
+    """Part 0 of 2 holds half of each cut weight; upstream's merged restored.pt holds all of them, though its cfg
+    still says model_parallel_size=2."""
+    config = ModelConfig(decoder_attention_heads=2, decoder_ffn_embed_dim=76)
+    whole = build_model(config, seed=0).state_dict()
+    cfg = {"model": config.to_dict(), "common": {"model_parallel_size": 2}}
+    atomic_torch_save({"model": {k: split_param(k, v, 2)[0].clone() for k, v in whole.items()}, "cfg": cfg},
+                      tmp_path / "part.pt")
     code, err = _run_cli(convert_to_hf, ["--input", str(tmp_path / "part.pt"), "--output", str(tmp_path / "hf")], capsys)
     assert code == 2 and "model_parallel_size=2" in err and not (tmp_path / "hf").exists()
     assert "reshard_model_parallel" in err and "--num-output-parts 1" in err and len(err.splitlines()) == 1
+    atomic_torch_save({"model": whole, "cfg": cfg}, tmp_path / "restored.pt")
+    code, err = _run_cli(convert_to_hf, ["--input", str(tmp_path / "restored.pt"), "--output", str(tmp_path / "hf")],
+                         capsys)
+    assert code == 0 and torch.equal(hf_tensors(tmp_path / "hf")["model.decoder.embed_tokens.weight"],
+                                     whole["decoder.embed_tokens.weight"])
 
 
 def test_inputs_of_several_model_parts_or_a_folder_are_refused_naming_the_fix(tmp_path, capsys):

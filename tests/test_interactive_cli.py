@@ -12,6 +12,7 @@ import pytest
 from metaseq.cli import interactive_cli
 from metaseq.file_io import atomic_torch_save
 from metaseq.hub_utils import GenerationConfig, GeneratorInterface
+from metaseq.models.partition import split_param
 from metaseq.models.transformer_lm import ModelConfig, build_model
 from metaseq.scripts.reshard_fsdp import reshard_fsdp_checkpoints
 from test_hf_tokenizer import write_gpt2_files
@@ -156,12 +157,23 @@ def _save_model(path, **cfg):
     return str(path)
 
 
-def test_one_model_parallel_part_is_refused_naming_the_j_path_and_the_merge(tmp_path, capsys):
-    part = _save_model(tmp_path / "reshard-model_part-0.pt", common={"model_parallel_size": 2})
-    assert interactive_cli.main(["--path", part]) == 2
+def test_one_model_parallel_part_is_refused_but_a_merged_file_that_keeps_p_in_cfg_is_served(tmp_path, capsys,
+                                                                                           monkeypatch):
+    """Part 0 of 2 holds half of each cut weight: refused, naming the '{j}' path and the merge. Upstream's merged
+    restored.pt holds the whole model though its cfg still says model_parallel_size=2: served."""
+    config = ModelConfig(decoder_attention_heads=2, decoder_ffn_embed_dim=76)
+    whole = build_model(config, seed=0).state_dict()
+    cfg = {"model": config.to_dict(), "common": {"model_parallel_size": 2}}
+    part = tmp_path / "reshard-model_part-0.pt"
+    atomic_torch_save({"model": {k: split_param(k, v, 2)[0].clone() for k, v in whole.items()}, "cfg": cfg}, part)
+    assert interactive_cli.main(["--path", str(part)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "model_parallel_size=2" in err[0], err
     assert f"--path '{tmp_path}/reshard-model_part-{{j}}.pt'" in err[0] and "--num-output-parts 1" in err[0]
+    atomic_torch_save({"model": whole, "cfg": cfg}, tmp_path / "restored.pt")
+    monkeypatch.setattr(sys, "stdin", io.StringIO(QUESTION + "\n"))
+    assert interactive_cli.main(["--path", str(tmp_path / "restored.pt"), "--max-new-tokens", "4"]) == 0
+    assert "ERROR" not in capsys.readouterr().err
 
 
 def test_tokenizer_with_more_ids_than_the_model_or_a_corrupt_one_is_refused(tmp_path, capsys):

@@ -14,6 +14,7 @@ from metaseq.checkpoint_utils import RestoreError, find_restore_files
 from metaseq.cli import train
 from metaseq.file_io import load_checkpoint
 from metaseq.scripts.reshard_fsdp import main as reshard_main
+from real_metaseq import RealRunSpec, write_real_runs
 from training import CORPUS, losses, run_train
 
 TOP_LEVEL_KEYS = {"model", "shard_metadata", "last_optimizer_state", "optimizer_history", "extra_state", "cfg"}
@@ -264,3 +265,22 @@ def test_new_runs_record_the_opt_exact_variant(trained):
     root = ckpt["shard_metadata"]["param_metadata"][0]["params"]["flat_param_0"]
     shapes = dict(zip(root["names"], root["shapes"]))
     assert tuple(shapes["decoder.embed_positions.weight"]) == (ckpt["cfg"]["model"]["max_target_positions"] + 2, 30)
+
+
+def test_restore_of_upstream_files_holding_unloadable_objects_is_refused_up_front_with_the_fix(tmp_path, caplog):
+    """Upstream's rank-0 tokenization cache (a LockingArray) cannot be unpickled here, even trusted: refused before
+    any rank starts, naming --drop-metaseq-req; the copy that flag writes restores."""
+    write_real_runs([(tmp_path / "real", RealRunSpec(2, updates=2, ema=False))])
+    args = ["--data", str(CORPUS), "--save-dir", str(tmp_path / "run"), "--world-size", "2", "--max-update", "3"]
+    for trust in ([], ["--trust-checkpoint"]):
+        caplog.clear()
+        with caplog.at_level(logging.ERROR, logger="metaseq.cli.train"):
+            assert train.main([*args, "--restore-file", str(tmp_path / "real" / "checkpoint_last.pt"), *trust]) == 2
+        assert "document_to_sequence" in caplog.text and "--drop-metaseq-req writes a copy without it" in caplog.text
+        assert not (tmp_path / "run").exists()
+    assert reshard_main(["--input", str(tmp_path / "real" / "checkpoint_last-model_part-0-shard*.pt"), "--quiet",
+                         "--output", str(tmp_path / "dropped" / "checkpoint_last-model_part-0-shard{i}.pt"),
+                         "--num-output-shards", "2", "--drop-metaseq-req"]) == 0
+    proc = run_train(tmp_path / "run", world_size=2, max_update=3,
+                     extra=["--restore-file", str(tmp_path / "dropped" / "checkpoint_last.pt")])
+    assert sorted(losses(proc)) == [3]

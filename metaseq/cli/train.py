@@ -65,6 +65,7 @@ class TrainConfig:
     lr: float = 3e-3
     seed: int = 1
     restore_file: str | None = None
+    trust_checkpoint: bool = False  # let torch.load run the classes in --restore-file's files
     log_format: str = "json"
     model: ModelConfig = field(default_factory=ModelConfig)  # with restore_file, the restored model's
     restored_updates: int = 0  # the update restore_file was saved at
@@ -126,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="DIR/checkpoint_last.pt (loads its shard files, P parts x W/P shards) or a consolidated file such as "
         "reshard-model_part-0.pt (with P > 1, one of its per-part files)",
     )
+    p.add_argument("--trust-checkpoint", action="store_true", default=False,
+                   help="let torch.load run the classes in --restore-file's files (only for files you trust: it can "
+                   "run any code); without it only tensors, builtins and argparse.Namespace are unpickled")
     p.add_argument("--log-format", choices=["json", "simple"], default=d.log_format, help="default: json")
     model_flag("--decoder-layers", m.decoder_layers)
     model_flag("--decoder-embed-dim", m.decoder_embed_dim)
@@ -145,7 +149,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     if not args.restore_file:
         return TrainConfig(model=ModelConfig(**model_flags), **{k: v for k, v in given.items() if k in fields})
     check_world_size(args.world_size, args.model_parallel_size)
-    restored = checkpoint_utils.read_restore_files(args.restore_file, args.world_size, args.model_parallel_size)
+    restored = checkpoint_utils.read_restore_files(args.restore_file, args.world_size, args.model_parallel_size,
+                                                   trust=args.trust_checkpoint)
     try:
         model = ModelConfig.from_dict(restored.model_cfg)
     except (TypeError, ValueError) as e:
@@ -233,8 +238,8 @@ def restore(cfg: TrainConfig, rank: int) -> dict[str, Any] | None:
     """This rank's restore checkpoint, or None."""
     if not cfg.restore_file:
         return None
-    return load_checkpoint(checkpoint_utils.find_restore_files(cfg.restore_file, cfg.world_size,
-                                                               cfg.model_parallel_size)[rank])
+    path = checkpoint_utils.find_restore_files(cfg.restore_file, cfg.world_size, cfg.model_parallel_size)[rank]
+    return load_checkpoint(path, trust=cfg.trust_checkpoint)
 
 
 def load_restored_state(model: Any, optimizer: torch.optim.Optimizer, ckpt: dict[str, Any]) -> TrainState:

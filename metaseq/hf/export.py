@@ -108,18 +108,24 @@ def hf_tensors_from_checkpoint(ckpt: Mapping[str, Any], *, source: str) -> tuple
         cfg_model, state = ckpt["cfg"]["model"], ckpt["model"]
     except (KeyError, TypeError):
         raise ConversionError(f"{source}: no cfg['model'] or no 'model' weights; this is not a metaseq checkpoint") from None
-    parts = model_parallel_size(ckpt["cfg"])
-    if parts != 1:
-        raise ConversionError(f"{source}: one part of a model-parallel checkpoint (cfg['common'].model_parallel_size="
-                              f"{parts}) holds a slice of each weight; export needs the whole model in one part: "
-                              f"merge the parts first with {merge_parts_command(source)}, "
-                              "then pass its output as --input")
     state = {_WRAPPERS.sub(r"\1", str(k)): v for k, v in state.items()}
     if is_upstream_cfg(cfg_model):  # as inference completes it: K, V, Q split, tied head and version added if absent
         state = upstream_state_for_model(state)
     else:
         state = split_fused_qkv(state, FUSED_QKV_ORDER_OURS)
     config = model_config_from_cfg(cfg_model, state, source=source)
+    if getattr(config, "fused_qkv", False):  # HF's OPT has q_proj, k_proj, v_proj
+        config = dataclasses.replace(config, fused_qkv=False)
+    try:
+        check_state_matches_model(config, state, source=source)
+    except ConversionError:
+        parts = model_parallel_size(ckpt["cfg"])  # upstream's merged restored.pt keeps P > 1 but fits
+        if parts == 1:
+            raise
+        raise ConversionError(f"{source}: one part of a model-parallel checkpoint (cfg['common'].model_parallel_size="
+                              f"{parts}) holds a slice of each weight; export needs the whole model in one part: "
+                              f"merge the parts first with {merge_parts_command(source)}, "
+                              "then pass its output as --input") from None
     if not is_opt_exact(config):
         raise ConversionError(
             f"{source}: written before the OPT-exact change (cfg['model'] no_scale_embedding="
@@ -127,9 +133,6 @@ def hf_tensors_from_checkpoint(ckpt: Mapping[str, Any], *, source: str) -> tuple
             "and its positions not offset by 2, which OPTForCausalLM cannot compute exactly; serve it with "
             "metaseq.cli.interactive_cli, or retrain it with the current metaseq.cli.train to export it"
         )
-    if getattr(config, "fused_qkv", False):  # HF's OPT has q_proj, k_proj, v_proj
-        config = dataclasses.replace(config, fused_qkv=False)
-    check_state_matches_model(config, state, source=source)
     return config, to_hf_state_dict(state)
 
 
