@@ -143,7 +143,6 @@ def find_restore_files(restore_file: str, world_size: int, model_parallel_size: 
 
 
 class Restored(NamedTuple):
-    files: list[str]  # per global rank
     num_updates: int  # the update the files were saved at
     cfg: Mapping[str, Any]  # input 0's
     model_cfg: Mapping[str, Any] | Namespace  # cfg['model'], as ModelConfig.from_dict takes it
@@ -154,8 +153,9 @@ def read_restore_files(restore_file: str, world_size: int, model_parallel_size: 
     """`find_restore_files`, then every file's structure read (no tensor data) and checked as the reshard tool checks
     its inputs (one save, one model, every shard there), and unpickled as the ranks will load it (`trust`: see
     `load_checkpoint`; tensors mapped, not read), so that the ranks never start on a set they cannot load."""
-    files = find_restore_files(restore_file, world_size, model_parallel_size)
-    unique, parts = list(dict.fromkeys(files)), model_parallel_size  # in rank order: part r % P, shard r // P
+    # Each file once, in rank order: rank r loads part r % P, shard r // P.
+    unique = list(dict.fromkeys(find_restore_files(restore_file, world_size, model_parallel_size)))
+    parts = model_parallel_size
     try:
         structures = [i.structure for i in read_inputs(unique, trust=trust)]
         check_same_save(structures, unique)
@@ -182,7 +182,7 @@ def read_restore_files(restore_file: str, world_size: int, model_parallel_size: 
         raise RestoreError(f"--restore-file {restore_file}: {unique[0]} has no cfg['model'] (the model's sizes); "
                            "restore a checkpoint that metaseq.cli.train, the reshard tools or convert_from_hf wrote")
     updates = saved_at(structures[0])[0]
-    return Restored(files, updates if isinstance(updates, int) else 0, cfg, model)
+    return Restored(updates if isinstance(updates, int) else 0, cfg, model)
 
 
 def _shards_by_part(prefix: str) -> dict[int, list[str]]:
