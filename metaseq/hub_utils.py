@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from metaseq.errors import UserError
 from metaseq.file_io import find_shards, folder_hint, load_checkpoint, shard_glob
 from metaseq.hf.errors import ConversionError
-from metaseq.hf.names import check_state_matches_model, upstream_state_for_model
+from metaseq.hf.names import check_whole_model, upstream_state_for_model
 from metaseq.hf.tokenization import ByteTokenizer, TextTokenizer
 from metaseq.hf.variants import is_upstream_cfg, merge_parts_command, model_config_from_cfg, model_parallel_size
 from metaseq.models.transformer_lm import TransformerLanguageModel, build_model
@@ -53,7 +53,6 @@ __all__ = [
     "check_state_keys",
     "check_tied_weights",
     "check_tokenizer_fits",
-    "check_whole_model",
     "generate_ids",
     "load_inference_checkpoint",
     "next_tokens",
@@ -196,13 +195,10 @@ def build_inference_model(ckpt: Mapping[str, Any], *, source: str) -> Transforme
         if is_upstream_cfg(cfg_model):
             state = upstream_state_for_model(state)
         model_cfg = model_config_from_cfg(cfg_model, state, source=source)
+        if model_parallel_size(ckpt["cfg"]) != 1:
+            check_whole_model(model_cfg, state, ckpt["cfg"], source=source, fix=_every_part(source))
     except ConversionError as e:
         raise InferenceLoadError(str(e)) from None
-    if model_parallel_size(ckpt["cfg"]) != 1:  # one part, unless whole (upstream's merged restored.pt keeps P)
-        try:
-            check_state_matches_model(model_cfg, state, source=source)
-        except ConversionError:
-            check_whole_model(ckpt["cfg"], source=source)
     model = build_model(model_cfg)
     check_state_keys(set(model.state_dict()), set(state), source=source)
     check_tied_weights(model, state, source=source)
@@ -210,18 +206,12 @@ def build_inference_model(ckpt: Mapping[str, Any], *, source: str) -> Transforme
     return model.eval()
 
 
-def check_whole_model(cfg: Any, *, source: str) -> None:
-    """Refuse one part of a model-parallel checkpoint (whose weights do not fit the model cfg describes): it holds
-    a slice of each weight, not a model."""
-    parts = model_parallel_size(cfg)
-    if parts != 1:
-        every = re.sub(r"-shard\d+\.pt$", "-shard*.pt", re.sub(r"model_part-\d+", "model_part-{j}", source))
-        example = f", --path '{every}'" if every != source else ""
-        raise InferenceLoadError(
-            f"{source}: one part of a model-parallel checkpoint (cfg['common'].model_parallel_size={parts}); "
-            f"pass every part with '{{j}}' for the part number{example}, or merge them first with "
-            f"{merge_parts_command(source)}"
-        )
+def _every_part(source: str) -> str:
+    """How to serve the model one part `source` of is: every part through '{j}', or merged first."""
+    every = re.sub(r"-shard\d+\.pt$", "-shard*.pt", re.sub(r"model_part-\d+", "model_part-{j}", source))
+    example = f", --path '{every}'" if every != source else ""
+    return (f"pass every part with '{{j}}' for the part number{example}, or merge them first with "
+            f"{merge_parts_command(source)}")
 
 
 def check_tokenizer_fits(model: TransformerLanguageModel, tokenizer: TextTokenizer, *, source: str) -> None:

@@ -47,6 +47,7 @@ from metaseq.errors import UserError
 from metaseq.file_io import load_checkpoint, summarize_paths
 from metaseq.models.model_parallel import check_model_parallel_sizes, vocab_parallel_loss_sum
 from metaseq.models.transformer_lm import ModelConfig
+from metaseq.reshard.schema import cfg_value
 from metaseq.tokenizer import PAD
 
 logger = logging.getLogger("metaseq.cli.train")
@@ -163,7 +164,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
                              f"model's sizes come from its files; drop {flag}")
     values = {}
     for name, (section, key) in RESTORED.items():
-        value = restored.cfg.get(section, {}).get(key) if isinstance(restored.cfg.get(section), dict) else None
+        value = cfg_value(restored.cfg, section, key)
         value = value[0] if isinstance(value, list) and value else value  # lr: one per param group
         if value is not None:
             values[name] = value

@@ -24,11 +24,11 @@ import torch
 from metaseq.file_io import folder_hint, load_checkpoint, natural_sort_key
 from metaseq.hf.config import DTYPE_NAMES, hf_config, hf_generation_config
 from metaseq.hf.errors import ConversionError
-from metaseq.hf.names import check_state_matches_model, split_fused_qkv, to_hf_state_dict, upstream_state_for_model
+from metaseq.hf.names import check_whole_model, split_fused_qkv, to_hf_state_dict, upstream_state_for_model
 from metaseq.hf.outdir import atomic_directory, check_output_directory
 from metaseq.hf.tokenization import ByteTokenizer, byte_tokenizer_files, require
 from metaseq.hf.variants import (FUSED_QKV_ORDER_OURS, is_opt_exact, is_upstream_cfg, merge_parts_command,
-                                 model_config_from_cfg, model_parallel_size)
+                                 model_config_from_cfg)
 from metaseq.models.transformer_lm import ModelConfig
 from metaseq.reshard import reshard_fsdp_checkpoints
 from metaseq.tokenizer import VOCAB_SIZE
@@ -116,16 +116,8 @@ def hf_tensors_from_checkpoint(ckpt: Mapping[str, Any], *, source: str) -> tuple
     config = model_config_from_cfg(cfg_model, state, source=source)
     if getattr(config, "fused_qkv", False):  # HF's OPT has q_proj, k_proj, v_proj
         config = dataclasses.replace(config, fused_qkv=False)
-    try:
-        check_state_matches_model(config, state, source=source)
-    except ConversionError:
-        parts = model_parallel_size(ckpt["cfg"])  # upstream's merged restored.pt keeps P > 1 but fits
-        if parts == 1:
-            raise
-        raise ConversionError(f"{source}: one part of a model-parallel checkpoint (cfg['common'].model_parallel_size="
-                              f"{parts}) holds a slice of each weight; export needs the whole model in one part: "
-                              f"merge the parts first with {merge_parts_command(source)}, "
-                              "then pass its output as --input") from None
+    check_whole_model(config, state, ckpt["cfg"], source=source, fix="export needs the whole model in one part: "
+                      f"merge the parts first with {merge_parts_command(source)}, then pass its output as --input")
     if not is_opt_exact(config):
         raise ConversionError(
             f"{source}: written before the OPT-exact change (cfg['model'] no_scale_embedding="

@@ -20,13 +20,14 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from metaseq.hf.errors import ConversionError
-from metaseq.hf.variants import EMBED_TOKENS, FUSED_QKV_ORDER_METASEQ
+from metaseq.hf.variants import EMBED_TOKENS, FUSED_QKV_ORDER_METASEQ, model_parallel_size
 from metaseq.models.transformer_lm import ModelConfig, TransformerLanguageModel
 
 __all__ = [
     "OUTPUT_PROJECTION",
     "VERSION_KEY",
     "check_state_matches_model",
+    "check_whole_model",
     "from_hf_state_dict",
     "split_fused_qkv",
     "strip_hf_prefix",
@@ -119,6 +120,20 @@ def check_state_matches_model(config: ModelConfig, state: Mapping[str, Any], *, 
         if tuple(state[key].shape) != tuple(value.shape):
             raise ConversionError(f"{source}: '{key}' has shape {tuple(state[key].shape)}, "
                                   f"the model its config describes needs {tuple(value.shape)}")
+
+
+def check_whole_model(config: ModelConfig, state: Mapping[str, Any], cfg: Any, *, source: str, fix: str) -> None:
+    """`check_state_matches_model`; weights that do not fit, in a checkpoint whose cfg says P > 1 model parts, are
+    one part (a slice of each weight), refused with `fix`. P alone decides nothing: upstream's merged restored.pt
+    keeps P > 1 and is whole."""
+    try:
+        check_state_matches_model(config, state, source=source)
+    except ConversionError:
+        parts = model_parallel_size(cfg)
+        if parts == 1:
+            raise
+        raise ConversionError(f"{source}: one part of a model-parallel checkpoint (cfg['common'].model_parallel_size="
+                              f"{parts}) holds a slice of each weight; {fix}") from None
 
 
 def upstream_state_for_model(state: Mapping[str, Any]) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from typing import Any, Mapping
 
 from metaseq.hf.errors import ConversionError
 from metaseq.models.transformer_lm import ModelConfig
+from metaseq.reshard.schema import cfg_value
 
 __all__ = [
     "FUSED_QKV_ORDER_METASEQ",
@@ -126,10 +127,7 @@ def is_opt_exact(config: ModelConfig) -> bool:
 
 def model_parallel_size(cfg: Any) -> int:
     """`cfg["common"].model_parallel_size` of a checkpoint's cfg (a dict or Namespace); 1 when absent."""
-    common = cfg.get("common") if isinstance(cfg, Mapping) else getattr(cfg, "common", None)
-    if isinstance(common, argparse.Namespace):
-        common = vars(common)
-    size = common.get("model_parallel_size", 1) if isinstance(common, Mapping) else 1
+    size = cfg_value(cfg, "common", "model_parallel_size")
     return 1 if size is None else int(size)
 
 

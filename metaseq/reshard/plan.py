@@ -29,7 +29,7 @@ from metaseq.reshard.optim import (OptimLayout, analyze_optimizer, assemble_cons
 from metaseq.reshard.model_parallel import check_parts_fit, cut_model_parts, global_shapes
 from metaseq.reshard.options import ReshardOptions
 from metaseq.reshard.ranges import OutTensor, Run, plan_range
-from metaseq.reshard.schema import OPTIM, is_tensor, resolve
+from metaseq.reshard.schema import OPTIM, cfg_value, is_tensor, resolve
 from metaseq.torchzip import Copy, DType, NeedsTorch, Opaque, Size, TensorRef, from_torch, read_checkpoint
 
 __all__ = ["InputFile", "OutFile", "Plan", "Source", "analyze_inputs", "assemble_output", "check_same_save",
@@ -133,7 +133,7 @@ def plan_model_parallel(options: ReshardOptions) -> Plan:
     inputs = read_inputs(paths, trust=options.trust_checkpoint)
     structures = [i.structure for i in inputs]
     check_same_save(structures, paths)
-    declared = _cfg_field(structures[0], "common", "model_parallel_size")
+    declared = cfg_value(structures[0].get("cfg"), "common", "model_parallel_size")
     if isinstance(declared, int) and declared > len(groups):
         raise ReshardError(
             f"model_part-{len(groups)} is missing: cfg['common']['model_parallel_size'] of {groups[0][0]} says the "
@@ -143,21 +143,13 @@ def plan_model_parallel(options: ReshardOptions) -> Plan:
     parts = [analyze_inputs(structures[q * n : (q + 1) * n], group, options, q * n) for q, group in enumerate(groups)]
     models, optims, num_parts = [p.model for p in parts], [p.optim for p in parts], options.num_output_parts
     shapes = global_shapes(models)
-    check_parts_fit(shapes, num_parts, _cfg_field(structures[0], "model", "decoder_attention_heads"))
+    check_parts_fit(shapes, num_parts, cfg_value(structures[0].get("cfg"), "model", "decoder_attention_heads"))
     files = []
     for q, names in enumerate(_part_names(options, num_parts, paths)):
         source = Source(*cut_model_parts(models, optims, shapes, num_parts, q, structures))
         files += [OutFile(name, m, tuple(output_tensors(source, options, m)), q, source)
                   for m, name in enumerate(names)]
     return _checked(Plan(options, tuple(inputs), files[0].source, tuple(files)))
-
-
-def _cfg_field(structure: Mapping[str, Any], section: str, field: str) -> Any:
-    """cfg[section][field], whether the section is a dict or a (carried) argparse.Namespace; None if absent."""
-    cfg = structure.get("cfg")
-    fields = cfg.get(section) if isinstance(cfg, Mapping) else None
-    fields = fields.state if isinstance(fields, Opaque) else fields
-    return fields.get(field) if isinstance(fields, Mapping) else None
 
 
 def _part_names(options: ReshardOptions, num_parts: int, inputs: Sequence[str]) -> list[list[str]]:
@@ -302,7 +294,7 @@ def saved_at(structure: Mapping[str, Any]) -> tuple[Any, Any]:
     """(update, seed) of the save a file comes from, where it says (`optimizer_history`, `cfg`); else None."""
     history = structure.get("optimizer_history")
     last = history[-1] if isinstance(history, list) and history and isinstance(history[-1], Mapping) else {}
-    marks = last.get("num_updates"), _cfg_field(structure, "common", "seed")
+    marks = last.get("num_updates"), cfg_value(structure.get("cfg"), "common", "seed")
     return tuple(m if isinstance(m, (int, str)) else None for m in marks)  # plain values (not tensors)
 
 

@@ -5,12 +5,13 @@ and type checkers, not runtime validation (that is in `layout` and `optim`).
 """
 from __future__ import annotations
 
-from typing import Any, Sequence, TypedDict
+import argparse
+from typing import Any, Mapping, Sequence, TypedDict
 
-from metaseq.torchzip import Size, TensorRef
+from metaseq.torchzip import Opaque, Size, TensorRef
 
-__all__ = ["Checkpoint", "FlatOptimizerState", "InstanceMetadata", "ParamMetadata", "ShardMetadata", "clean_key",
-           "is_tensor", "join_key", "resolve"]
+__all__ = ["Checkpoint", "FlatOptimizerState", "InstanceMetadata", "ParamMetadata", "ShardMetadata", "cfg_value",
+           "clean_key", "is_tensor", "join_key", "resolve"]
 
 WRAPPER_SEGMENTS = frozenset({"_fsdp_wrapped_module", "_fpw_module"})
 OPTIM = "last_optimizer_state"
@@ -79,3 +80,12 @@ def resolve(obj: Any, path: Sequence[Any]) -> Any:
     for key in path:
         obj = obj[key]
     return obj
+
+
+def cfg_value(cfg: Any, section: str, key: str) -> Any:
+    """cfg[section][key] of a checkpoint's cfg, its sections dicts or argparse.Namespaces (loaded, or carried
+    unread as `Opaque`); None where absent."""
+    fields = cfg.get(section) if isinstance(cfg, Mapping) else getattr(cfg, section, None)
+    fields = fields.state if isinstance(fields, Opaque) else fields
+    fields = vars(fields) if isinstance(fields, argparse.Namespace) else fields
+    return fields.get(key) if isinstance(fields, Mapping) else None
