@@ -43,3 +43,55 @@ def save_full_state_dict(rank: int, world_size: int, shard_pattern: str, out_pat
     state = {k: v.clone() for k, v in model.state_dict().items()}
     if rank == 0:
         torch.save(state, out_path)
+
+
+class ThreeLayers(torch.nn.Module):
+    """A model wrapped the ways other trainers wrap theirs (see `wrap_other_ways`); odd sizes, so padding is uneven."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.pre, self.blk, self.post = torch.nn.Linear(5, 7), torch.nn.Linear(7, 3), torch.nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.post(torch.tanh(self.blk(torch.tanh(self.pre(x))))).pow(2).sum()
+
+
+def wrap_other_ways(kind: str):
+    """"noflat": one FSDP instance with flatten_parameters=False (every parameter sharded on its own); "mixed": such a
+    root around `blk` in an instance of its own with flat parameters, so the root's parameters lie around it."""
+    from fairscale.nn import FullyShardedDataParallel as FSDP
+
+    model, kwargs = ThreeLayers(), dict(compute_device=torch.device("cpu"), bucket_cap_mb=0)
+    if kind == "mixed":
+        model.blk = FSDP(model.blk, flatten_parameters=True, **kwargs)
+    return FSDP(model, flatten_parameters=False, **kwargs)
+
+
+def train_other_way(rank: int, world_size: int, kind: str, shard_pattern: str, full_path: str) -> None:
+    """Two Adam steps of `wrap_other_ways(kind)`; every rank saves its shard, rank 0 also the full state dict."""
+    model = wrap_other_ways(kind)
+    optim = torch.optim.Adam(model.parameters(), lr=0.01)
+    for step in range(2):
+        optim.zero_grad()
+        model(torch.linspace(-1, 1, 10).view(2, 5) * (rank + step + 1)).backward()
+        optim.step()
+    torch.save({"model": model.local_state_dict(), "shard_metadata": model.local_metadata_dict(),
+                "last_optimizer_state": optim.state_dict(), "cfg": {}}, shard_pattern.format(i=rank))
+    full = {k: v.clone() for k, v in model.state_dict().items()}
+    if rank == 0:
+        torch.save(full, full_path)
+
+
+def load_other_way(rank: int, world_size: int, kind: str, shard_pattern: str, full_path: str) -> None:
+    """Load this rank's shard into a fresh `wrap_other_ways(kind)` (and its optimizer state, if any); rank 0 saves
+    the full state dict it then holds."""
+    model = wrap_other_ways(kind)
+    lazy_init_all(model)
+    ckpt = load_checkpoint(shard_pattern.format(i=rank))
+    model.load_local_state_dict(ckpt["model"])
+    if ckpt.get("last_optimizer_state") is not None:
+        torch.optim.Adam(model.parameters(), lr=0.01).load_state_dict(ckpt["last_optimizer_state"])
+    full = {k: v.clone() for k, v in model.state_dict().items()}
+    if rank == 0:
+        torch.save(full, full_path)

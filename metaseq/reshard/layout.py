@@ -13,6 +13,7 @@ import copy
 import dataclasses
 import functools
 import itertools
+import re
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -45,6 +46,11 @@ class FlatParam:
     @property
     def numel(self) -> int:
         return sum(shape.numel() for shape in self.shapes)
+
+    @property
+    def flattened(self) -> bool:
+        """False for a parameter FSDP keeps as it is (flatten_parameters=False): it backs itself, not flat_param_N."""
+        return re.fullmatch(r"flat_param_\d+", self.backing_name) is not None
 
     @functools.cached_property
     def ranges(self) -> tuple[tuple[int, int], ...]:

@@ -17,7 +17,7 @@ from typing import Any, Callable, Mapping, Sequence
 from metaseq.errors import ReshardError
 from metaseq.reshard.layout import ModelLayout, global_params
 from metaseq.reshard.ranges import OutTensor, Span, plan_range
-from metaseq.reshard.schema import OPTIM, is_tensor
+from metaseq.reshard.schema import OPTIM, clean_key, is_tensor
 from metaseq.torchzip import DType, Size, TensorRef
 
 __all__ = ["OptimLayout", "StateEntry", "analyze_optimizer", "assemble_consolidated_optimizer",
@@ -94,8 +94,28 @@ def analyze_optimizer(shards: Sequence[Mapping[str, Any]], model: ModelLayout) -
             raise ReshardError(f"{label}: {OPTIM} has no 'state' and 'param_groups' (not a torch optimizer "
                                "state_dict); pass --skip-optimizer-state to drop it")
     consolidated = "param_id_map" in osds[0]
+    if model.unflattened and not consolidated:
+        raise ReshardError(f"{model.labels[0]}: unflattened weights beside one rank's optimizer state (no "
+                           "param_id_map), as FSDP with flatten_parameters=False saves at world size 1; resharding "
+                           "such optimizer state is not supported: pass --skip-optimizer-state")
+    if not consolidated:
+        _check_state_order(shards[0]["model"], model)
     entries = _consolidated_entries(osds, model) if consolidated else _flat_entries(osds, model)
     return OptimLayout(consolidated, entries, len(osds[0]["param_groups"]))
+
+
+def _check_state_order(model_dict: Mapping[str, Any], model: ModelLayout) -> None:
+    """Flat state id k is the k-th parameter the optimizer was given: of `model.parameters()`, whose order the model
+    dict keeps. shard_metadata lists the flat parameters instance by instance; the two orders differ where an
+    instance with flatten_parameters=False holds parameters around nested instances."""
+    listed = [fp.key for fp in model.flat_params]
+    names = set(listed)
+    found = [key for key in (clean_key(str(k)) for k in model_dict) if key in names]
+    if found != listed:
+        k = next(k for k, (a, b) in enumerate(zip(found, listed)) if a != b)
+        raise ReshardError(f"{model.labels[0]}: model holds '{found[k]}' where shard_metadata lists '{listed[k]}' "
+                           "(FSDP with flatten_parameters=False around nested instances?), so the optimizer state's "
+                           "ids cannot be matched to parameters; pass --skip-optimizer-state")
 
 
 def _flat_entries(osds: Sequence[Mapping[str, Any]], model: ModelLayout) -> dict[int, tuple[StateEntry, ...]]:

@@ -314,6 +314,11 @@ def check_same_save(structures: Sequence[Mapping[str, Any]], labels: Sequence[st
 def output_tensors(source: Source, options: ReshardOptions, rank: int) -> list[OutTensor]:
     """Every tensor of output shard `rank`: its shape, dtype and the input runs to copy."""
     model, targets = source.model, []
+    kept = next((fp.key for fp in model.flat_params if not fp.flattened), None)
+    if options.num_output_shards == 1 and not options.unflatten_weights and kept is not None:
+        raise ReshardError(f"--num-output-shards=1: FSDP at world size 1 keeps the parameters of flatten_parameters="
+                           f"False instances (such as '{kept}') in their own shapes, not flat; write 2 or more shards, "
+                           "or pass --unflatten-weights")
     cuts = output_cuts(model, options.unflatten_weights, options.num_output_shards, rank)
     for held in model.dicts:  # the model, then its EMA copies: cut like it, never cast
         cast = options.dtype if held.root == ("model",) else None

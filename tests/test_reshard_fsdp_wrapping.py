@@ -1,0 +1,80 @@
+"""The reshard tool on checkpoints of real fairscale FSDP wrapped otherwise than our trainer wraps its model."""
+import pytest
+import torch
+
+from fsdp_harness import load_other_way, run_on_ranks, train_other_way
+from metaseq.file_io import load_checkpoint
+from metaseq.scripts.reshard_fsdp import main as reshard_main
+
+SHARD = "ckpt-model_part-0-shard{i}.pt"
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """kind -> (folder of its 2 shards, the full state dict FSDP gives)."""
+    out = {}
+    for kind in ("noflat", "mixed"):
+        folder = tmp_path_factory.mktemp(kind)
+        run_on_ranks(train_other_way, 2, kind, str(folder / SHARD), str(folder / "full.pt"))
+        out[kind] = folder, torch.load(folder / "full.pt", weights_only=True)
+    return out
+
+
+def _reshard(capsys, folder, output, *flags):
+    code = reshard_main(["--input", str(folder / "ckpt-model_part-0-shard*.pt"), "--output", str(output), "--quiet",
+                         *flags])
+    return code, capsys.readouterr().err.strip()
+
+
+def _assert_equal(found, expected):
+    assert sorted(found) == sorted(expected)
+    for key, value in expected.items():
+        assert torch.equal(found[key], value), key
+
+
+def test_parameters_sharded_one_by_one_reshard_both_ways(saved, tmp_path, capsys):
+    """flatten_parameters=False: 2 -> 3 shards load into FSDP at 3 ranks (optimizer state too), and back to 2 give
+    the input tensors again; consolidated, the names and values of FSDP's full state dict."""
+    folder, full = saved["noflat"]
+    assert _reshard(capsys, folder, tmp_path / "three" / SHARD, "--num-output-shards", "3") == (0, "")
+    run_on_ranks(load_other_way, 3, "noflat", str(tmp_path / "three" / SHARD), str(tmp_path / "full3.pt"))
+    _assert_equal(torch.load(tmp_path / "full3.pt", weights_only=True), full)
+    assert _reshard(capsys, tmp_path / "three", tmp_path / "two" / SHARD, "--num-output-shards", "2") == (0, "")
+    for i in range(2):
+        before, after = (load_checkpoint(d / SHARD.format(i=i)) for d in (folder, tmp_path / "two"))
+        _assert_equal(after["model"], before["model"])
+        for k, state in before["last_optimizer_state"]["state"].items():
+            assert torch.equal(after["last_optimizer_state"]["state"][k]["exp_avg"], state["exp_avg"])
+    assert _reshard(capsys, folder, tmp_path / "one.pt", "--unflatten-weights") == (0, "")
+    _assert_equal(load_checkpoint(tmp_path / "one.pt")["model"], full)
+
+
+def test_one_flat_shard_of_parameters_fsdp_keeps_whole_is_refused(saved, tmp_path, capsys):
+    """At world size 1 FSDP does not shard flatten_parameters=False parameters: a 1-D file would not load."""
+    code, err = _reshard(capsys, saved["noflat"][0], tmp_path / "one.pt")
+    assert code == 2 and "--num-output-shards=1" in err and "'pre.weight'" in err and "--unflatten-weights" in err
+    assert len(err.splitlines()) == 1 and not (tmp_path / "one.pt").exists()
+
+
+def test_optimizer_state_of_a_root_kept_unflat_around_a_nested_instance_is_refused(saved, tmp_path, capsys):
+    """The root's parameters lie around the nested instance in the optimizer's order but before it in
+    shard_metadata: the state ids cannot be matched. Without optimizer state the weights reshard."""
+    folder, full = saved["mixed"]
+    code, err = _reshard(capsys, folder, tmp_path / "three" / SHARD, "--num-output-shards", "3")
+    assert code == 2 and "'blk.flat_param_0'" in err and "--skip-optimizer-state" in err
+    assert len(err.splitlines()) == 1 and not (tmp_path / "three").exists()
+    flags = ("--num-output-shards", "3", "--skip-optimizer-state")
+    assert _reshard(capsys, folder, tmp_path / "three" / SHARD, *flags) == (0, "")
+    run_on_ranks(load_other_way, 3, "mixed", str(tmp_path / "three" / SHARD), str(tmp_path / "full3.pt"))
+    _assert_equal(torch.load(tmp_path / "full3.pt", weights_only=True), full)
+
+
+def test_optimizer_state_of_a_world_size_1_run_kept_unflat_is_refused(tmp_path, capsys):
+    """At world size 1 its weights are whole (unflattened) beside the rank's own optimizer state."""
+    run_on_ranks(train_other_way, 1, "noflat", str(tmp_path / SHARD), str(tmp_path / "full.pt"))
+    code, err = _reshard(capsys, tmp_path, tmp_path / "out" / SHARD, "--num-output-shards", "2")
+    assert code == 2 and "param_id_map" in err and "--skip-optimizer-state" in err and len(err.splitlines()) == 1
+    flags = ("--num-output-shards", "2", "--skip-optimizer-state")
+    assert _reshard(capsys, tmp_path, tmp_path / "out" / SHARD, *flags) == (0, "")
+    run_on_ranks(load_other_way, 2, "noflat", str(tmp_path / "out" / SHARD), str(tmp_path / "full2.pt"))
+    _assert_equal(torch.load(tmp_path / "full2.pt", weights_only=True), torch.load(tmp_path / "full.pt"))
