@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import glob
 import logging
+import math
 import os
 import re
 import tempfile
@@ -87,10 +88,13 @@ class GenerationConfig:
         """Raise ValueError naming the flag to change."""
         if self.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens={self.max_new_tokens} must be at least 1")
-        if self.temperature <= 0:
-            raise ValueError(f"--temperature={self.temperature} must be > 0 (use greedy decoding, the default, for argmax)")
+        if not 0 < self.temperature < math.inf:
+            fix = "for the argmax, leave out --sampling" if self.sampling else "it applies only with --sampling"
+            raise ValueError(f"--temperature={self.temperature} must be a finite number > 0 ({fix})")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"--top-p={self.top_p} must be in (0, 1]")
+        if not -(2**63) <= self.seed < 2**64:
+            raise ValueError(f"--seed={self.seed} does not fit in 64 bits; give one below 2**64")
 
 
 def resolve_checkpoint_files(path: str) -> tuple[list[str], bool]:

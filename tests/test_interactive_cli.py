@@ -97,6 +97,10 @@ def test_flat_checkpoint_gives_one_line_error_not_traceback(memorized, tmp_path)
         (["--path", "nowhere/checkpoint_last.pt"],
          "--path nowhere/checkpoint_last.pt: --path 'nowhere/checkpoint_last-model_part-0-shard*.pt' matches no files"),
         (["--top-p", "1.5"], "--top-p=1.5 must be in (0, 1]"),
+        (["--sampling", "--temperature", "nan"], "--temperature=nan must be a finite number > 0"),
+        (["--sampling", "--temperature", "inf"], "--temperature=inf must be a finite number > 0"),
+        (["--temperature", "0"], "it applies only with --sampling"),
+        (["--sampling", "--seed", str(2**64)], f"--seed={2**64} does not fit in 64 bits"),
     ],
 )
 def test_bad_path_or_flag_is_one_line_error(memorized, args, culprit, capsys):
@@ -110,8 +114,24 @@ def test_too_long_prompt_is_reported_and_the_rest_answered(memorized, monkeypatc
     monkeypatch.setattr(sys, "stdin", io.StringIO("x" * 100 + f"\n{QUESTION}\n"))
     assert interactive_cli.main(["--path", str(memorized[1])]) == 1
     captured = capsys.readouterr()
-    assert captured.out == ANSWER + "\n"
+    assert captured.out == "\n" + ANSWER + "\n"  # each answer on its prompt's line
     assert "a prompt of 101 tokens does not fit" in captured.err
+
+
+def test_prompt_that_is_not_utf8_is_reported_and_the_rest_answered(memorized):
+    proc = subprocess.run(_cli("--path", str(memorized[1])), input=b"caf\xe9\n" + QUESTION.encode() + b"\n",
+                          capture_output=True, env=_env(), cwd=REPO, timeout=120)
+    assert proc.returncode == 1 and proc.stdout.decode() == "\n" + ANSWER + "\n"
+    err = proc.stderr.decode().strip().splitlines()
+    assert len(err) == 1 and "prompt 1 is not UTF-8 text" in err[0]
+
+
+def test_help_does_not_call_stopping_past_newlines_the_default():
+    text = " ".join(interactive_cli.build_parser().format_help().split())
+    assert "--no-stop-at-newline continue past newlines (an answer stops at the first newline by default)" in text
+    assert "(default: True)" not in text
+    assert interactive_cli.build_parser().parse_args(["--path", "x"]).stop_at_newline is True
+    assert interactive_cli.build_parser().parse_args(["--path", "x", "--no-stop-at-newline"]).stop_at_newline is False
 
 
 def _read_until(fd: int, seen: bytearray, done, timeout: float = 60.0) -> None:

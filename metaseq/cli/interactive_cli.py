@@ -9,7 +9,8 @@ On a terminal it shows a `> ` prompt; piped, it answers every input line and exi
 `DIR/checkpoint_last.pt`), consolidated in memory. A real OPT checkpoint (upstream
 metaseq's cfg) also needs its GPT-2 BPE: `--vocab-filename gpt2-vocab.json
 --merges-filename gpt2-merges.txt`, or `--hf-tokenizer DIR`. Answers go to stdout, one line
-each; logs and errors go to stderr. Ctrl-D (EOF) exits; empty lines are ignored.
+each (empty for a prompt that failed); logs and errors go to stderr. Ctrl-D (EOF) exits; empty lines are
+ignored.
 """
 from __future__ import annotations
 
@@ -44,7 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=d.temperature, help="with --sampling")
     p.add_argument("--top-p", type=float, default=d.top_p, help="with --sampling: nucleus mass to keep")
     p.add_argument("--seed", type=int, default=d.seed, help="with --sampling")
-    p.add_argument("--no-stop-at-newline", dest="stop_at_newline", action="store_false", help="continue past newlines; stop only at EOS")
+    p.set_defaults(stop_at_newline=True)  # the flag's own default is suppressed: help would say "(default: True)"
+    p.add_argument("--no-stop-at-newline", dest="stop_at_newline", action="store_false", default=argparse.SUPPRESS,
+                   help="continue past newlines (an answer stops at the first newline by default); stop only at EOS")
     p.add_argument("--trust-checkpoint", action="store_true", help="let torch.load run the classes of legacy-format (non-zip) files; trusted files only")
     p.add_argument("--vocab-filename", default=None, type=os.path.expanduser, help="real OPT: metaseq's GPT-2 BPE vocabulary (gpt2-vocab.json)")
     p.add_argument("--merges-filename", default=None, type=os.path.expanduser, help="real OPT: the GPT-2 BPE merges (gpt2-merges.txt)")
@@ -83,15 +86,20 @@ def read_prompts(stream: TextIO, *, interactive: bool) -> Iterator[str]:
 
 
 def answer_prompts(gen: GeneratorInterface, cfg: GenerationConfig, prompts: Iterator[str], out: TextIO) -> int:
-    """Write one stripped completion per prompt; returns how many prompts failed."""
+    """Write one stripped completion per prompt (an empty line for a prompt that failed, so that answers stay on the
+    lines of their prompts); returns how many prompts failed."""
     failures = 0
-    for prompt in prompts:
+    for number, prompt in enumerate(prompts, start=1):
         try:
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError:  # bytes stdin could not decode (kept as surrogates)
+                raise ValueError(f"prompt {number} is not UTF-8 text; give prompts in UTF-8") from None
             (completion,) = gen.generate([prompt], cfg)
         except ValueError as e:  # e.g. a prompt longer than the model's context
             logger.error("%s", e)
             failures += 1
-            continue
+            completion = ""
         print(completion.strip(), file=out, flush=True)
     return failures
 
@@ -135,6 +143,8 @@ def run(args: argparse.Namespace) -> int:
         logger.error("%s", e)
         return 2
     interactive = sys.stdin.isatty()
+    if hasattr(sys.stdin, "reconfigure"):  # bytes that are not UTF-8 become one prompt's error, not a traceback
+        sys.stdin.reconfigure(encoding="utf-8", errors="surrogateescape")
     if interactive:
         _enable_line_editing()
     try:
