@@ -20,7 +20,7 @@ from metaseq.errors import CheckpointLoadError, UserError
 from metaseq.torchzip import NeedsTorch, check_record, zip_records
 
 __all__ = ["CheckpointLoadError", "atomic_output", "atomic_torch_save", "check_checkpoint_crc", "checkpoint_prefix",
-           "find_model_parts", "find_shards", "folder_hint", "load_checkpoint", "natural_sort_key",
+           "find_model_parts", "find_shards", "folder_hint", "glob_files", "is_glob", "load_checkpoint", "natural_sort_key",
            "remove_stale_temp_files", "shard_file_name", "shard_glob", "summarize_paths"]
 
 logger = logging.getLogger(__name__)
@@ -93,9 +93,27 @@ def find_model_parts(pattern: str, *, flag: str = "--input-glob-pattern") -> lis
     return [_order_shards(by_part[j], flag) for j in sorted(by_part)]
 
 
+def glob_files(pattern: str) -> list[str]:
+    """The files `pattern` matches, natural-sorted; '~' expanded as the shell would, also when quoted. Brackets that
+    match nothing as a character class are part of the names (a folder named `run[1]`)."""
+    pattern = os.path.expanduser(pattern)
+    for candidate in (pattern, pattern.replace("[", "[[]")) if "[" in pattern else (pattern,):
+        paths = sorted((p for p in glob.glob(candidate) if os.path.isfile(p)), key=natural_sort_key)
+        if paths:
+            return paths
+    return []
+
+
+def is_glob(path: str) -> bool:
+    """Whether `path` is a pattern of files rather than a name: no such file, and `*`, `?` or a `[...]` class that
+    matches files (a stem such as `run[1]/checkpoint_last.pt` is a name)."""
+    path = os.path.expanduser(path)
+    return not os.path.isfile(path) and (re.search(r"[*?]", path) is not None or "[" in path and bool(glob.glob(path)))
+
+
 def _glob_files(pattern: str, flag: str) -> list[str]:
-    paths = sorted((p for p in glob.glob(os.path.expanduser(pattern)) if os.path.isfile(p)), key=natural_sort_key)
-    if not paths:  # '~' expanded as the shell would, also when quoted
+    paths = glob_files(pattern)
+    if not paths:
         raise UserError(f"{flag} {pattern!r} matches no files{folder_hint(pattern, globs=True)}")
     return paths
 

@@ -19,7 +19,6 @@ The model is rebuilt from the checkpoint's `cfg["model"]`, so no size flags are 
 from __future__ import annotations
 
 import argparse
-import glob
 import logging
 import math
 import os
@@ -32,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from metaseq.errors import UserError
-from metaseq.file_io import find_shards, folder_hint, load_checkpoint, shard_glob
+from metaseq.file_io import find_shards, folder_hint, glob_files, is_glob, load_checkpoint, shard_glob
 from metaseq.hf.errors import ConversionError
 from metaseq.hf.names import check_whole_model, upstream_state_for_model
 from metaseq.hf.tokenization import ByteTokenizer, TextTokenizer
@@ -67,7 +66,6 @@ logger = logging.getLogger(__name__)
 
 NEWLINE = encode("\n", bos=False)[0]
 _FLAT_KEY = re.compile(r"(^|\.)flat_param_\d+$")
-_GLOB_CHARS = re.compile(r"[*?\[]")
 _SHOWN_KEYS = 6
 
 
@@ -104,11 +102,11 @@ def resolve_checkpoint_files(path: str) -> tuple[list[str], bool]:
     `DIR/checkpoint_last.pt` (for `DIR/checkpoint_last-model_part-0-shard*.pt`) names shards.
     """
     path = os.path.expanduser(path)  # '~' as the shell would, also when quoted
-    if _GLOB_CHARS.search(path) is None and os.path.isfile(path):
+    if os.path.isfile(path):
         return [path], False
     if hint := folder_hint(path):
         raise InferenceLoadError(f"--path {path}{hint}")
-    pattern = path if _GLOB_CHARS.search(path) else shard_glob(path)
+    pattern = path if is_glob(path) else shard_glob(path)
     try:
         files = find_shards(pattern, flag="--path")
     except UserError as e:
@@ -148,9 +146,9 @@ def load_inference_checkpoint(path: str, *, trust: bool = False) -> dict[str, An
 def _model_parts_pattern(path: str) -> str | None:
     """A glob of several model parts' files (`{j}` for the part, or a glob matching several), else None."""
     pattern = path.replace("{j}", "*")
-    if _GLOB_CHARS.search(path) is None and not os.path.isfile(path) and "{j}" not in path:
+    if not is_glob(path) and not os.path.isfile(path) and "{j}" not in path:
         pattern = shard_glob(path, "*")  # a stem such as DIR/checkpoint_last.pt: every part's shards
-    parts = {m.group(1) for p in glob.glob(pattern) if (m := re.search(r"model_part-(\d+)", os.path.basename(p)))}
+    parts = {m.group(1) for p in glob_files(pattern) if (m := re.search(r"model_part-(\d+)", os.path.basename(p)))}
     return pattern if "{j}" in path or len(parts) > 1 else None
 
 

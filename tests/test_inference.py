@@ -115,6 +115,19 @@ def test_quoted_tilde_in_path_means_the_home_folder(resharded, monkeypatch):
     assert set(by_file["model"]) == set(by_stem["model"]) and "decoder.output_projection.weight" in by_file["model"]
 
 
+def test_a_folder_named_with_brackets_is_a_name_not_a_pattern(resharded, tmp_path):
+    """`run[1]/...` names that folder (a glob would read '[1]' as the character class of '1')."""
+    dirs, consolidated = resharded
+    folder = tmp_path / "run[1]"
+    folder.mkdir()
+    (folder / consolidated.name).symlink_to(consolidated)
+    for i in range(4):
+        (folder / f"checkpoint_last-model_part-0-shard{i}.pt").symlink_to(dirs[4] / f"checkpoint_last-model_part-0-shard{i}.pt")
+    by_file = load_inference_checkpoint(str(folder / consolidated.name))
+    for path in (folder / "checkpoint_last.pt", folder / "checkpoint_last-model_part-0-shard*.pt"):  # stem, glob
+        assert set(load_inference_checkpoint(str(path))["model"]) == set(by_file["model"])
+
+
 def test_flat_consolidated_file_error_lists_keys_and_suggests_unflatten(resharded, tmp_path):
     dirs, _ = resharded
     flat = tmp_path / "flat.pt"

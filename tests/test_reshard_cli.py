@@ -123,6 +123,14 @@ def test_quoted_tilde_means_the_home_folder_in_both_names(shard_dir: Path, tmp_p
     assert find_shards("~/out/s*.pt") == [str(tmp_path / "out" / f"s{i}.pt") for i in range(2)]
 
 
+def test_input_folder_named_with_brackets_is_found(shard_dir: Path, tmp_path: Path) -> None:
+    folder = tmp_path / "run[1]"
+    shard_dir.rename(folder)
+    assert main(["--input", _pattern(folder), "--output", str(tmp_path / "one.pt"), "--quiet"]) == 0
+    assert find_shards(str(folder / "*-shard*.pt")) == [str(folder / f"checkpoint_last-model_part-0-shard{i}.pt")
+                                                        for i in range(4)]
+
+
 def test_overwrite_replaces_an_existing_output(shard_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "o.pt"
     out.write_bytes(b"keep me")

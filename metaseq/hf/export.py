@@ -10,7 +10,6 @@ Weights keep their bytes and dtype; the folder appears complete or not at all.
 from __future__ import annotations
 
 import dataclasses
-import glob
 import json
 import logging
 import os
@@ -21,7 +20,7 @@ from typing import Any, Mapping
 
 import torch
 
-from metaseq.file_io import folder_hint, load_checkpoint, natural_sort_key
+from metaseq.file_io import folder_hint, glob_files, is_glob, load_checkpoint
 from metaseq.hf.config import DTYPE_NAMES, hf_config, hf_generation_config
 from metaseq.hf.errors import ConversionError
 from metaseq.hf.names import check_whole_model, split_fused_qkv, to_hf_state_dict, upstream_state_for_model
@@ -37,7 +36,6 @@ __all__ = ["convert_to_hf", "hf_tensors_from_checkpoint", "input_files", "write_
 
 logger = logging.getLogger(__name__)
 
-_GLOB_CHARS = re.compile(r"[*?\[]")
 _PART = re.compile(r"model_part-(\d+)")
 _WRAPPERS = re.compile(r"(^|\.)(_fsdp_wrapped_module|_fpw_module)\.")
 SAFETENSORS_NAME = "model.safetensors"
@@ -70,7 +68,7 @@ def convert_to_hf(input_path: str, output_dir: str | os.PathLike, *, overwrite: 
 
 def input_files(input_path: str) -> list[str]:
     """The files `--input` names (a file, or a glob of one model part's shards), each checked to be readable."""
-    if _GLOB_CHARS.search(input_path) is None:
+    if not is_glob(input_path):
         hint = folder_hint(input_path, globs=True)
         if hint:
             raise ConversionError(f"--input {input_path}{hint}")
@@ -78,7 +76,7 @@ def input_files(input_path: str) -> list[str]:
             raise ConversionError(f"--input {input_path}: no such file (quote a glob of raw shards: 'DIR/*-shard*.pt')")
         files = [input_path]
     else:
-        files = sorted((p for p in glob.glob(input_path) if os.path.isfile(p)), key=natural_sort_key)
+        files = glob_files(input_path)
         if not files:
             raise ConversionError(f"--input {input_path!r} matches no files")
         parts = sorted({int(m.group(1)) for p in files if (m := _PART.search(os.path.basename(p)))})
@@ -91,7 +89,7 @@ def input_files(input_path: str) -> list[str]:
 
 def _load_unflattened(input_path: str, tmp: str, trust: bool) -> dict[str, Any]:
     """The checkpoint with unflattened weights, tensors mapped from disk."""
-    if _GLOB_CHARS.search(input_path) is None:
+    if not is_glob(input_path):
         ckpt = load_checkpoint(input_path, mmap=True, trust=trust)
         if not any("flat_param_" in str(k) for k in ckpt.get("model", {})):
             return ckpt
