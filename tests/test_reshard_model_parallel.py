@@ -257,12 +257,15 @@ def test_shapes_that_contradict_the_rules_are_refused(tmp_path, capsys):
     (["--num-output-parts", "2", "--output", "OUT/x-shard{i}.pt"], "--num-output-parts=2 but --output-shard-name"),
     (["--num-output-parts", "1", "--num-output-shards", "2", "--output", "OUT/part{j}.pt"],
      "--num-output-shards=2 but --output-shard-name"),
+    (["--num-output-parts", "2", "--num-output-shards", "2", "--output", "OUT/reshard-model_part-{j}.pt"],  # as given
+     "--output-shard-name 'OUT/reshard-model_part-{j}.pt' has no '{i}'; add it where the shard index goes, e.g. "
+     "'OUT/reshard-model_part-{j}-shard{i}.pt'"),
 ])
 def test_option_and_name_errors(tmp_path, capsys, flags, words):
     _write_parts(tmp_path, 2, 1)
     flags = [f.replace("OUT", str(tmp_path / "out")) for f in flags]
     assert main(["--input", str(tmp_path / "*.pt"), "--output", str(tmp_path / "out" / OUT), *flags]) == 2
-    assert words in capsys.readouterr().err
+    assert words.replace("OUT", str(tmp_path / "out")) in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 

@@ -25,7 +25,8 @@ from metaseq.hf.fsdp_layout import fsdp_shard_metadata
 from metaseq.hf.names import check_state_matches_model, from_hf_state_dict
 from metaseq.hf.tokenization import require
 from metaseq.models.transformer_lm import ModelConfig
-from metaseq.reshard import reshard_fsdp_checkpoints
+from metaseq.reshard import ReshardError, ReshardOptions, reshard_fsdp_checkpoints
+from metaseq.reshard.plan import check_output_name, output_paths
 
 __all__ = ["check_one_dtype", "checkpoint_from_hf", "convert_from_hf", "read_hf_folder"]
 
@@ -64,19 +65,13 @@ def convert_from_hf(
 
 
 def _output_paths(name: str, count: int, unflatten: bool, overwrite: bool) -> list[str]:
-    if count < 1:
-        raise ConversionError(f"--num-output-shards={count} must be at least 1")
-    if unflatten and count != 1:
-        raise ConversionError(f"--unflatten-weights True writes one consolidated file, but --num-output-shards={count}; "
-                              "pass --num-output-shards 1")
-    if count > 1 and "{i}" not in name:
-        raise ConversionError(f"--num-output-shards={count} but --output-shard-name {name!r} has no '{{i}}'; "
-                              "add it where the shard index goes, e.g. 'ckpts/checkpoint_last-model_part-0-shard{i}.pt'")
-    outputs = [name.replace("{i}", str(i)) for i in range(count)]
-    existing = [p for p in outputs if os.path.exists(p)]
-    if existing and not overwrite:
-        raise ConversionError(f"--output-shard-name: {existing[0]} already exists; pass --overwrite to replace it")
-    return outputs
+    """The reshard tool's checks of the output options and names, before the (slow) conversion."""
+    try:
+        ReshardOptions(output_shard_name=name, num_output_shards=count, unflatten_weights=unflatten)
+        check_output_name(name, count)
+        return output_paths(name, count, [], overwrite=overwrite)
+    except ReshardError as e:
+        raise ConversionError(str(e)) from None
 
 
 def read_hf_folder(folder: str | os.PathLike) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:

@@ -32,9 +32,10 @@ from metaseq.reshard.ranges import OutTensor, Run, plan_range
 from metaseq.reshard.schema import OPTIM, cfg_value, is_tensor, resolve
 from metaseq.torchzip import Copy, DType, NeedsTorch, Opaque, Size, TensorRef, from_torch, read_checkpoint
 
-__all__ = ["InputFile", "OutFile", "Plan", "Source", "analyze_inputs", "assemble_output", "check_same_save",
-           "describe_plan", "expand_model_parts", "output_tensors", "plan_model_parallel", "plan_reshard",
-           "plan_structures", "read_inputs", "saved_at", "summarize_plan", "tensor_ref", "whole_tensor"]
+__all__ = ["InputFile", "OutFile", "Plan", "Source", "analyze_inputs", "assemble_output", "check_output_name",
+           "check_same_save", "describe_plan", "expand_model_parts", "output_paths", "output_tensors",
+           "plan_model_parallel", "plan_reshard", "plan_structures", "read_inputs", "saved_at", "summarize_plan",
+           "tensor_ref", "whole_tensor"]
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +80,7 @@ class Plan:
 def plan_reshard(options: ReshardOptions) -> list[Plan]:
     """One plan per model part (`{j}` in both names, else one; with `num_output_parts`, one plan from every part's
     inputs to Q x M outputs); raises before anything is written."""
+    check_output_name(options.output_shard_name, options.num_output_shards)
     if options.num_output_parts is not None:
         plans = [plan_model_parallel(options)]
     else:
@@ -193,16 +195,7 @@ def expand_model_parts(input_glob_pattern: str, output_shard_name: str) -> list[
 
 def output_paths(output_shard_name: str, num_output_shards: int, inputs: Sequence[str], *,
                  overwrite: bool) -> list[str]:
-    """`{i}` in the name becomes the output shard index; names must read back in order, never clobber inputs."""
-    if os.path.basename(output_shard_name) in ("", ".", ".."):  # 'out/' would write a file named 'out'
-        example = os.path.join(output_shard_name, "reshard-model_part-0.pt")
-        raise ReshardError(f"--output-shard-name {output_shard_name!r} names no file; give one, e.g. {example!r}")
-    if num_output_shards > 1 and "{i}" not in output_shard_name:
-        raise ReshardError(
-            f"--num-output-shards={num_output_shards} but --output-shard-name {output_shard_name!r} has no "
-            "'{i}'; add it where the shard index goes, e.g. 'out/reshard-model_part-0-shard{i}.pt'"
-        )
-    _check_readable(output_shard_name, "{i}", "shard index", "'...-shard{i}.pt'")
+    """`{i}` in the name (checked by `_check_output_name`) becomes the output shard index; never clobber inputs."""
     outputs = [output_shard_name.replace("{i}", str(i)) for i in range(num_output_shards)]
     real_inputs = {os.path.realpath(p) for p in inputs}
     for path in outputs:
@@ -214,6 +207,18 @@ def output_paths(output_shard_name: str, num_output_shards: int, inputs: Sequenc
     if existing and not overwrite:
         raise ReshardError(f"{summarize_paths(existing)} already exist(s); pass --overwrite to replace")
     return outputs
+
+
+def check_output_name(name: str, num_output_shards: int) -> None:
+    """The name (as given, `{j}` and all) must name a file, and `{i}` a shard index that reads back."""
+    if os.path.basename(name) in ("", ".", ".."):  # 'out/' would write a file named 'out'
+        raise ReshardError(f"--output-shard-name {name!r} names no file; give one, e.g. "
+                           f"{os.path.join(name, 'reshard-model_part-0.pt')!r}")
+    if num_output_shards > 1 and "{i}" not in name:
+        example = re.sub(r"(\.pt)?$", r"-shard{i}\1", name, count=1)
+        raise ReshardError(f"--num-output-shards={num_output_shards} but --output-shard-name {name!r} has no '{{i}}'; "
+                           f"add it where the shard index goes, e.g. {example!r}")
+    _check_readable(name, "{i}", "shard index", "'...-shard{i}.pt'")
 
 
 def _check_readable(name: str, placeholder: str, what: str, example: str) -> None:
