@@ -64,9 +64,10 @@ def find_shards(pattern: str, *, flag: str = "--input-glob-pattern") -> list[str
         raise UserError(f"{paths[parts.index(None)]}: not a model part's shard like {example}; "
                         f"narrow {flag} so that it matches only the shards")
     if len(set(parts)) > 1:
-        raise UserError(f"inputs mix model parts {sorted(set(parts))} ({summarize_paths(paths)}); reshard one model "
-                        "part at a time, e.g. --input-glob-pattern '...-model_part-0-shard*.pt', or every part with "
-                        "'{j}' in both names: '...-model_part-{j}-shard*.pt' and '...-model_part-{j}-shard{i}.pt'")
+        every = (", or every part with '{j}' in both names: '...-model_part-{j}-shard*.pt' and "
+                 "'...-model_part-{j}-shard{i}.pt'" if flag == "--input-glob-pattern" else "")  # the reshard tool's
+        raise UserError(f"inputs mix model parts {sorted(set(parts))} ({summarize_paths(paths)}); name one model "
+                        f"part's files, e.g. {flag} '...-model_part-0-shard*.pt'{every}")
     return _order_shards(paths, flag)
 
 

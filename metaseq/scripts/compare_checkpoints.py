@@ -63,8 +63,8 @@ def _resolve(pattern: str, side: str) -> list[str]:
 
 
 def _run(args: argparse.Namespace) -> int:
-    if args.atol < 0:
-        raise ReshardError(f"--atol={args.atol}: must be at least 0")
+    if not args.atol >= 0:  # nan too
+        raise ReshardError(f"--atol={args.atol}: must be a number at least 0")
     options = dict(trust=args.trust_checkpoint, skip_optimizer_state=args.skip_optimizer_state)
     a = open_tensor_set(_resolve(args.a, "A"), **options)
     b = open_tensor_set(_resolve(args.b, "B"), **options)
