@@ -293,6 +293,11 @@ def _load_error(path: str, e: BaseException) -> CheckpointLoadError:
         return CheckpointLoadError(f"{path}: it holds objects of module {missing.group(1)}, which is not installed "
                                    f"here ({type(e).__name__}); install it, or use a tool that carries such objects "
                                    "without loading them")
+    missing = re.search(r"Can't get attribute '([\w.]+)' on <module '([\w.]+)'", text)
+    if isinstance(e, AttributeError) and missing:
+        return CheckpointLoadError(f"{path}: it holds objects of class {missing.group(2)}.{missing.group(1)}, which "
+                                   "is not defined here (AttributeError); import the code that defines it, or use a "
+                                   "tool that carries such objects without loading them")
     text = re.sub(r"^[\s\S]*?WeightsUnpickler error:", "unpickling failed:", text).strip()
     text = re.sub(r"^\[enforce fail at [^\]]*\]\s*\.?\s*", "", text)
     detail = type(e).__name__ + (f": {text.splitlines()[0][:100]}" if text else "")

@@ -140,6 +140,19 @@ def test_compare_catches_a_wrong_scale(real, tmp_path, capsys):
     assert "differs: optimizer exp_avg of" in capsys.readouterr().out
 
 
+class _Gone:
+    """A class saved into a file, then gone from its module (renamed in a later version of the code)."""
+
+
+def test_missing_class_is_not_called_corruption(tmp_path, monkeypatch):
+    torch.save({"model": {}, "kept": _Gone()}, tmp_path / "gone.pt")
+    monkeypatch.delattr(sys.modules[__name__], "_Gone")
+    with pytest.raises(CheckpointLoadError) as info:
+        load_checkpoint(tmp_path / "gone.pt", trust=True)
+    assert f"objects of class {__name__}._Gone, which is not defined here" in str(info.value)
+    assert "corrupt" not in str(info.value)
+
+
 def test_missing_module_is_not_called_corruption(real):
     with pytest.raises(CheckpointLoadError) as info:
         load_checkpoint(sorted(real["plain"].glob(SHARDS))[0], trust=True)  # torch.load needs the class
