@@ -194,6 +194,16 @@ def test_parts_that_do_not_divide_a_tensor_are_refused(tmp_path, capsys, name, s
     assert words in err and "would" in err
 
 
+def test_the_part_counts_suggested_fit_the_heads_and_every_cut_tensor(tmp_path, capsys):
+    """4 heads would take 4 parts, but 10 vocabulary rows would not: 1 and 2 are what fits both."""
+    full = tuple((path, tuple((n, (10, 4) if n == "decoder.embed_tokens.weight" else s) for n, s in specs), ties)
+                 for path, specs, ties in FULL)
+    _write_parts(tmp_path, 1, 1, full=full, heads=4)
+    err = _fails(capsys, tmp_path, "--num-output-parts", "3")
+    assert "does not divide the 4 attention heads in cfg['model']['decoder_attention_heads']; --num-output-parts 1, 2 " \
+           "would" in err
+
+
 def test_missing_shard_file_is_named(tmp_path, capsys):
     _write_parts(tmp_path, 2, 2)
     (tmp_path / OUT.format(j=1, i=0)).unlink()

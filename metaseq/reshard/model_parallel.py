@@ -51,22 +51,19 @@ def global_shapes(parts: Sequence[ModelLayout]) -> dict[str, Size]:
 
 
 def check_parts_fit(shapes: dict[str, Size], num_parts: int, heads: int | None) -> None:
-    """Refuse a number of output parts that does not divide what each part must hold equally."""
+    """Refuse a number of output parts that does not divide what each part must hold equally, naming those that do."""
+    cut = [(name, shape[rule.dim] // rule.blocks, rule) for name, shape in shapes.items()
+           if (rule := rule_for(name)) is not None]  # per cut tensor: the size of each of its blocks
+    fits = [q for q in range(1, 65) if (heads is None or heads % q == 0) and all(size % q == 0 for _, size, _ in cut)]
+    which = "--num-output-parts " + ", ".join(map(str, fits))
     if heads is not None and heads % num_parts:
         raise ReshardError(f"--num-output-parts={num_parts} does not divide the {heads} attention heads in "
-                           f"cfg['model']['decoder_attention_heads']; {_which(heads)} would")
-    for name, shape in shapes.items():
-        rule = rule_for(name)
-        if rule is not None and shape[rule.dim] % (num_parts * rule.blocks):
-            size = shape[rule.dim] // rule.blocks
+                           f"cfg['model']['decoder_attention_heads']; {which} would")
+    for name, size, rule in cut:
+        if size % num_parts:
             per = f" in each of its {rule.blocks} blocks" if rule.blocks > 1 else ""
             raise ReshardError(f"--num-output-parts={num_parts} does not divide the {size} {rule.what} of "
-                               f"{name}{per}; {_which(size, heads)} would")
-
-
-def _which(size: int, heads: int | None = None) -> str:
-    fits = [q for q in range(1, min(size, 64) + 1) if size % q == 0 and (heads is None or heads % q == 0)]
-    return "--num-output-parts " + ", ".join(map(str, fits))
+                               f"{name}{per}; {which} would")
 
 
 def cut_model_parts(parts: Sequence[ModelLayout], optims: Sequence[OptimLayout | None], shapes: dict[str, Size],
