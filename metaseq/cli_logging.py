@@ -17,7 +17,7 @@ from metaseq.errors import UserError, one_line_error
 
 __all__ = [
     "OneLineErrorParser", "add_bool_flag", "cli_logging", "non_negative_float", "non_negative_int", "one_line_error",
-    "parse_bool", "positive_int", "run_cli",
+    "parse_bool", "positive_float", "positive_int", "run_cli",
 ]
 
 TRUE_WORDS = {"true", "1", "yes", "y", "on"}
@@ -100,6 +100,13 @@ def non_negative_int(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not 0 < value < math.inf:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
     return value
 
 

@@ -17,6 +17,7 @@ from metaseq.benchmark.measure import run_measured
 from metaseq.benchmark.reference import consolidate_flat_shards
 from metaseq.file_io import load_checkpoint
 from metaseq.models.transformer_lm import ModelConfig, build_model
+from metaseq.scripts.benchmark_reshard import main as benchmark_main
 
 REPO = Path(__file__).resolve().parents[1]
 TOP_KEYS = {"model", "shard_metadata", "last_optimizer_state", "optimizer_history", "extra_state", "cfg"}
@@ -140,6 +141,32 @@ def test_memory_bound_counts_output_shard_largest_flat_and_slack():
     shard = 3 * 4 * sum(-(-n // 3) for n in numels)  # param + two moments, ceil(n / 3) per rank
     assert runner.memory_bound(config, runner.Scenario(2, 3)) == shard + 4 * max(numels) + 256 * 2**20
     assert runner.memory_bound(config, runner.Scenario(2, 1, True)) == 3 * 4 * sum(numels) + 256 * 2**20
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--size-gb", "nan"], "argument --size-gb: must be a finite number > 0, got nan"),
+    (["--size-gb", "0"], "argument --size-gb: must be a finite number > 0, got 0"),
+    (["--timeout-s", "-3"], "argument --timeout-s: must be a finite number > 0"),
+    (["--repeat", "0"], "argument --repeat: must be at least 1"),
+    (["--plot-sizes", "1,0"], "--plot-sizes '1,0': expected positive GB sizes"),
+    (["--out", "NOWHERE/results.json"], "--out NOWHERE/results.json: not a file in an existing folder"),
+    (["--workdir", "FILE"], "--workdir FILE is a file; give a folder"),
+])
+def test_bad_flags_are_one_line_errors_before_anything_runs(tmp_path, capsys, argv, words):
+    (tmp_path / "file").write_text("")
+    names = {"NOWHERE": str(tmp_path / "nowhere"), "FILE": str(tmp_path / "file")}
+    def named(text: str) -> str:
+        return text.replace("NOWHERE", names["NOWHERE"]).replace("FILE", names["FILE"])
+
+    assert benchmark_main(["--size-gb", "0.01", *map(named, argv)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("ERROR: ") and named(words) in err
+
+
+def test_a_scenario_that_failed_shows_no_figures():
+    failed = runner.ScenarioResult("2x2-3x2", 4, 6, False, 10**7, 0, 0.1, 0.1, 0.1, 1.0, 1, 1, 1, returncode=2)
+    row = runner.format_table([], [failed]).splitlines()[-1]
+    assert row == "| 2x2-3x2 | 0.010 | failed (exit 2) |  |  |  |  |  |  |  | FAIL |"
 
 
 def test_benchmark_cli_end_to_end_writes_json(tmp_path):

@@ -348,6 +348,9 @@ def format_table(baselines: list[Baselines], results: list[ScenarioResult]) -> s
                          f"{b.input_bytes / GB / m.seconds:.3f}", "", "", f"{m.peak_rss / MIB:.0f}",
                          f"{m.peak_anon / MIB:.0f}", "", "", ""])
     for r in results:
+        if r.returncode != 0:  # nothing measured: its error is in the log
+            rows.append([r.scenario, f"{r.input_bytes / GB:.3f}", f"failed (exit {r.returncode})", *[""] * 7, "FAIL"])
+            continue
         rows.append([r.scenario, f"{r.input_bytes / GB:.3f}", f"{r.seconds:.2f}", f"{r.gb_per_s:.3f}",
                      f"{r.ratio_load_save:.2f}", f"{r.ratio_copy:.2f}", f"{r.peak_rss / MIB:.0f}",
                      f"{r.peak_anon / MIB:.0f}", f"{r.memory_bound / MIB:.0f}",

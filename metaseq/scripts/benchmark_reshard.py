@@ -28,8 +28,10 @@ from typing import Any
 import torch
 
 from metaseq.benchmark import runner, synth
+from metaseq.cli_logging import OneLineErrorParser, positive_float, positive_int, run_cli
+from metaseq.errors import UserError
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("metaseq.scripts.benchmark_reshard")  # not __main__ under -m
 
 TOOL_MODULE = "metaseq.scripts.reshard_fsdp"
 DEFAULT_SCENARIOS = "8-1,8-16,1-8,16-3,8-1u"
@@ -37,9 +39,9 @@ DEFAULT_PLOT_SIZES = "0.25,0.5,1,2,4"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m metaseq.scripts.benchmark_reshard", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
-    parser.add_argument("--size-gb", type=float, default=2.0,
+    parser = OneLineErrorParser(prog="python -m metaseq.scripts.benchmark_reshard", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    parser.add_argument("--size-gb", type=positive_float, default=2.0,
                         help="total size of all input shard files, model + optimizer state (default 2)")
     parser.add_argument("--scenarios", default=DEFAULT_SCENARIOS,
                         help=f"comma list of N-M (flat) and N-1u (unflattened) runs (default {DEFAULT_SCENARIOS})")
@@ -47,14 +49,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--workdir", help="folder for the synthetic checkpoints (default: a temp dir)")
     parser.add_argument("--keep", action="store_true",
                         help="keep the synthetic checkpoints (and the temp workdir) afterwards")
-    parser.add_argument("--layers", type=int, default=12, help="decoder layers of the synthetic model (default 12)")
+    parser.add_argument("--layers", type=positive_int, default=12, help="decoder layers of the synthetic model (default 12)")
     parser.add_argument("--drop-caches", action="store_true",
                         help="drop the page cache before every run (root only); default: warm cache")
-    parser.add_argument("--repeat", type=int, default=1,
+    parser.add_argument("--repeat", type=positive_int, default=1,
                         help="runs per contender; the fastest time and the highest memory count (default 1)")
-    parser.add_argument("--per-file-limit-s", type=float, default=runner.PER_FILE_LIMIT_S,
+    parser.add_argument("--per-file-limit-s", type=positive_float, default=runner.PER_FILE_LIMIT_S,
                         help="time target of scenarios with more than 64 shards on a side (default 10)")
-    parser.add_argument("--timeout-s", type=float, default=None, help="kill any single run after this long")
+    parser.add_argument("--timeout-s", type=positive_float, default=None, help="kill any single run after this long")
     parser.add_argument("--real-structured", action="store_true",
                         help="structure the inputs like upstream metaseq's OPT shards: Namespace cfg, int steps, "
                              "loss_scale, 2 optimizer_history entries, and rank 0's tokenization cache pickled as "
@@ -66,22 +68,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    """Parse and check the flags; errors name the flag and exit 2."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def check_args(args: argparse.Namespace) -> None:
+    """Check what argparse cannot, before anything runs; a UserError names the flag."""
     try:
         args.scenario_list = runner.parse_scenarios(args.scenarios)
     except ValueError as e:
-        parser.error(str(e))
+        raise UserError(str(e)) from None
     try:
-        args.sizes = [float(s) for s in args.plot_sizes.split(",") if s.strip()]
-    except ValueError:
-        parser.error(f"--plot-sizes {args.plot_sizes!r}: expected GB sizes such as 0.25,0.5,1")
-    if args.size_gb <= 0 or args.layers < 1 or args.repeat < 1 or any(s <= 0 for s in args.sizes):
-        parser.error(f"--size-gb={args.size_gb}, --layers={args.layers}, --repeat={args.repeat} "
-                     f"and --plot-sizes={args.plot_sizes} must be positive")
-    return args
+        args.sizes = [positive_float(s) for s in args.plot_sizes.split(",") if s.strip()]
+    except (ValueError, argparse.ArgumentTypeError):
+        raise UserError(f"--plot-sizes {args.plot_sizes!r}: expected positive GB sizes such as 0.25,0.5,1") from None
+    if args.out and (os.path.isdir(args.out) or not os.path.isdir(os.path.dirname(os.path.abspath(args.out)))):
+        raise UserError(f"--out {args.out}: not a file in an existing folder; give e.g. results.json")
+    if args.workdir and os.path.exists(args.workdir) and not os.path.isdir(args.workdir):
+        raise UserError(f"--workdir {args.workdir} is a file; give a folder (made if needed)")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        raise UserError("--plot needs matplotlib: pip install -e '.[bench]'")
 
 
 def machine_info(folder: Path) -> dict[str, Any]:
@@ -131,11 +133,13 @@ def run_plot(config: runner.BenchConfig, sizes: list[float], png: str) -> tuple[
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s | %(levelname)s | %(name)s | %(message)s")
-    args = parse_args(argv)
+    return run_cli(logger, build_parser(), argv, _run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    check_args(args)
     if importlib.util.find_spec(TOOL_MODULE) is None:
-        logger.error("%s is not importable; install the package (pip install -e .) first", TOOL_MODULE)
-        return 1
+        raise UserError(f"{TOOL_MODULE} is not importable; install the package (pip install -e .) first")
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="benchmark_reshard-"))
     workdir.mkdir(parents=True, exist_ok=True)
     config = runner.BenchConfig(
@@ -152,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if not args.workdir and not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)
-    report.update(size_gb=args.size_gb, real_structured=args.real_structured, repeat=args.repeat, cache="dropped" if args.drop_caches else "warm",
+    report.update(size_gb=args.size_gb, real_structured=args.real_structured, repeat=args.repeat,
+                  cache="dropped" if args.drop_caches else "warm",
                   machine=machine_info(workdir if workdir.exists() else workdir.parent), limits=_limits(args))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
