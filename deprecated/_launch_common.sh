@@ -66,6 +66,8 @@ count_outputs() {
     for (( i = 0; i < TARGET; i++ )); do
         [ -f "$SAVE_DIR/reshard-model_part-$part-shard$i.pt" ] && n=$((n + 1))
     done
+    # One output with optimizer state is named without -shard0, as the old tool named it.
+    [ "$TARGET" -eq 1 ] && [ -f "$SAVE_DIR/reshard-model_part-$part.pt" ] && n=1
     echo "$n"
 }
 

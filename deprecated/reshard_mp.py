@@ -57,11 +57,18 @@ def build_parser() -> argparse.ArgumentParser:
             f"Forwards to python -m {NEW_TOOL}, which is what you should call instead."
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog=("upstream metaseq's later form, which changes the number of model parts of consolidated files: "
+                "python deprecated/reshard_mp.py --input 'DIR/reshard-model_part-*.pt' --output "
+                f"'OUT/reshard-model_part-{{i}}.pt' --num-output-parts Q (forwarded to python -m {MP_TOOL})"),
     )
     p.add_argument("save_prefix", help="inputs are {save_prefix}-model_part-{part}-shard*.pt, e.g. ckpts/checkpoint_last")
     p.add_argument("save_dir", help="outputs are {save_dir}/reshard-model_part-{part}-shard{i}.pt")
-    p.add_argument("--part", type=int, default=0, help="model-parallel part whose shards to reshard")
-    p.add_argument("--target-ddp-size", "--target_ddp_size", type=int, default=512, help="number of output shards")
+    given = dict(default=argparse.SUPPRESS)  # defaults in `main`, once the two forms are merged (ints there too:
+    # argparse would pass SUPPRESS itself to the type of an optional positional)
+    p.add_argument("positional_part", nargs="?", metavar="PART", help="as --part (the old tool's order)", **given)
+    p.add_argument("positional_size", nargs="?", metavar="TARGET_DDP_SIZE", help="as --target-ddp-size", **given)
+    p.add_argument("--part", help="model-parallel part whose shards to reshard (default 0)", **given)
+    p.add_argument("--target-ddp-size", "--target_ddp_size", help="number of output shards (default 512)", **given)
     bool_flag = dict(nargs="?", const=True, default=False, type=parse_bool, metavar="True|False")
     p.add_argument(
         "--no-pad", "--no_pad", **bool_flag,
@@ -78,11 +85,48 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The old command line: PART and TARGET_DDP_SIZE as flags or, as the old tool took them, positionally."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for name, positional, default in (("part", "positional_part", 0), ("target_ddp_size", "positional_size", 512)):
+        if hasattr(args, name) and hasattr(args, positional):
+            parser.error(f"--{name.replace('_', '-')} given twice: as a flag and as a positional argument")
+        value = getattr(args, name, getattr(args, positional, default))
+        try:
+            setattr(args, name, int(value))
+        except ValueError:
+            parser.error(f"--{name.replace('_', '-')}={value}: expected a whole number")
+    if args.part < 0:
+        parser.error(f"--part={args.part} must be 0 or more")
+    if args.target_ddp_size < 1:
+        parser.error(f"--target-ddp-size={args.target_ddp_size} must be at least 1")
+    return args
+
+
+def _keeps_optimizer_state(args: argparse.Namespace) -> bool:
+    """Whether the old tool wrote optimizer state: not dropped, and in the input's first shard (read without torch;
+    an unreadable shard is left for the new tool to report)."""
+    if args.drop_optimizer_state:
+        return False
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # an uninstalled checkout finds its own metaseq
+    from metaseq.torchzip import read_checkpoint
+
+    try:
+        structure, _ = read_checkpoint(f"{args.save_prefix}-model_part-{args.part}-shard0.pt")
+    except Exception:  # noqa: BLE001 -- missing, legacy or damaged: the new tool says which
+        return True
+    return isinstance(structure, dict) and structure.get("last_optimizer_state") is not None
+
+
 def replacement_argv(args: argparse.Namespace) -> list[str]:
-    """The `reshard_fsdp` arguments that do what the old tool did with `args`."""
+    """The `reshard_fsdp` arguments that do what the old tool did with `args`. Its names: `-shard{i}`, but one file
+    `reshard-model_part-J.pt` at --target-ddp-size 1 when it wrote optimizer state (OPT's serving recipes use it)."""
+    one_file = args.target_ddp_size == 1 and _keeps_optimizer_state(args)
+    name = f"reshard-model_part-{args.part}.pt" if one_file else f"reshard-model_part-{args.part}-shard{{i}}.pt"
     argv = [
         "--input-glob-pattern", f"{args.save_prefix}-model_part-{args.part}-shard*.pt",
-        "--output-shard-name", os.path.join(args.save_dir, f"reshard-model_part-{args.part}-shard{{i}}.pt"),
+        "--output-shard-name", os.path.join(args.save_dir, name),
         "--num-output-shards", str(args.target_ddp_size),
         "--overwrite",  # the old tool replaced existing outputs without asking
     ]
@@ -136,12 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if any(a.split("=", 1)[0] in UPSTREAM_FLAGS for a in argv):
         return _main_upstream(argv)
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.part < 0:
-        parser.error(f"--part={args.part} must be 0 or more")
-    if args.target_ddp_size < 1:
-        parser.error(f"--target-ddp-size={args.target_ddp_size} must be at least 1")
+    args = parse_args(argv)
     new_argv = replacement_argv(args)
     if args.print_replacement:
         print(replacement_command(new_argv))

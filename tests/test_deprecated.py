@@ -116,7 +116,7 @@ def test_shim_warns_in_process_with_deprecation_warning(trained, tmp_path, caplo
 )
 def test_replacement_command_maps_old_flags(flags, skip):
     shim = _import_shim()
-    args = shim.build_parser().parse_args(["ck/checkpoint_last", "out dir", "--part", "2", *flags])
+    args = shim.parse_args(["ck/checkpoint_last", "out dir", "--part", "2", *flags])
     new = reshard_fsdp.build_parser().parse_args(shim.replacement_argv(args))
     assert new.input_glob_pattern == "ck/checkpoint_last-model_part-2-shard*.pt"
     assert new.output_shard_name == "out dir/reshard-model_part-2-shard{i}.pt"
@@ -169,6 +169,23 @@ def test_no_slurm_launcher_reshards_every_part(two_parts, tmp_path):
     assert proc.stderr.count("python -m metaseq.scripts.reshard_fsdp --input-glob-pattern") >= 2
     assert "Done: wrote 3 shard(s) for each of 2 model part(s)" in proc.stdout
     _assert_both_parts_written(out, 3)
+
+
+def test_one_output_with_optimizer_state_is_named_as_the_old_tool_named_it(two_parts, tmp_path):
+    """`... 8 1` of OPT's serving recipe: reshard-model_part-J.pt; with the state dropped, -shard0 as before."""
+    proc = _run(["bash", DEPRECATED / "reshard_mp_launch_no_slurm.sh", two_parts, tmp_path / "kept", 2, 1])
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in (tmp_path / "kept").glob("*.pt")) == [f"reshard-model_part-{j}.pt" for j in (0, 1)]
+    assert "last_optimizer_state" in load_checkpoint(tmp_path / "kept" / "reshard-model_part-1.pt")
+    proc = _run([sys.executable, SHIM, two_parts, tmp_path / "dropped", "1", "1", "--drop_optimizer_state", "True"])
+    assert proc.returncode == 0, proc.stderr
+    assert [p.name for p in (tmp_path / "dropped").glob("*.pt")] == ["reshard-model_part-1-shard0.pt"]
+
+
+@pytest.mark.parametrize("argv, part, size", [(["2", "8"], 2, 8), (["2"], 2, 512), (["--target_ddp_size", "8"], 0, 8)])
+def test_part_and_size_are_taken_positionally_too(argv, part, size):
+    args = _import_shim().parse_args(["ck/checkpoint_last", "out", *argv])
+    assert (args.part, args.target_ddp_size) == (part, size)
 
 
 def test_no_slurm_launcher_names_the_failed_part(two_parts, tmp_path):
