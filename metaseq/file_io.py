@@ -80,7 +80,8 @@ def find_model_parts(pattern: str, *, flag: str = "--input-glob-pattern") -> lis
     for path in _glob_files(pattern, flag):
         part = _last_int(_PART_RE, path)
         if part is None:
-            raise UserError(f"{path}: no model part ('model_part-J') in its name; narrow {flag}")
+            raise UserError(f"{path}: no model part ('model_part-J') in its name; narrow {flag} to the parts' "
+                            "files, or name each part's files '...-model_part-J...' (J: its part number)")
         by_part.setdefault(part, []).append(path)
     missing = sorted(set(range(max(by_part) + 1)) - set(by_part))
     if missing:
