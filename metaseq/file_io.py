@@ -20,8 +20,8 @@ from metaseq.errors import CheckpointLoadError, UserError
 from metaseq.torchzip import NeedsTorch, check_record, zip_records
 
 __all__ = ["CheckpointLoadError", "atomic_output", "atomic_torch_save", "check_checkpoint_crc", "checkpoint_prefix",
-           "find_model_parts", "find_shards", "folder_hint", "glob_files", "is_glob", "load_checkpoint", "natural_sort_key",
-           "remove_stale_temp_files", "shard_file_name", "shard_glob", "summarize_paths"]
+           "find_model_parts", "find_shards", "folder_hint", "glob_files", "is_glob", "load_checkpoint",
+           "natural_sort_key", "remove_stale_temp_files", "shard_file_name", "shard_glob", "summarize_paths"]
 
 logger = logging.getLogger(__name__)
 

@@ -122,7 +122,8 @@ def test_a_folder_named_with_brackets_is_a_name_not_a_pattern(resharded, tmp_pat
     folder.mkdir()
     (folder / consolidated.name).symlink_to(consolidated)
     for i in range(4):
-        (folder / f"checkpoint_last-model_part-0-shard{i}.pt").symlink_to(dirs[4] / f"checkpoint_last-model_part-0-shard{i}.pt")
+        name = f"checkpoint_last-model_part-0-shard{i}.pt"
+        (folder / name).symlink_to(dirs[4] / name)
     by_file = load_inference_checkpoint(str(folder / consolidated.name))
     for path in (folder / "checkpoint_last.pt", folder / "checkpoint_last-model_part-0-shard*.pt"):  # stem, glob
         assert set(load_inference_checkpoint(str(path))["model"]) == set(by_file["model"])

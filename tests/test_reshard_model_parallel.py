@@ -200,8 +200,8 @@ def test_the_part_counts_suggested_fit_the_heads_and_every_cut_tensor(tmp_path, 
                  for path, specs, ties in FULL)
     _write_parts(tmp_path, 1, 1, full=full, heads=4)
     err = _fails(capsys, tmp_path, "--num-output-parts", "3")
-    assert "does not divide the 4 attention heads in cfg['model']['decoder_attention_heads']; --num-output-parts 1, 2 " \
-           "would" in err
+    heads = "cfg['model']['decoder_attention_heads']"
+    assert f"does not divide the 4 attention heads in {heads}; --num-output-parts 1, 2 would" in err
 
 
 def test_missing_shard_file_is_named(tmp_path, capsys):

@@ -49,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--workdir", help="folder for the synthetic checkpoints (default: a temp dir)")
     parser.add_argument("--keep", action="store_true",
                         help="keep the synthetic checkpoints (and the temp workdir) afterwards")
-    parser.add_argument("--layers", type=positive_int, default=12, help="decoder layers of the synthetic model (default 12)")
+    parser.add_argument("--layers", type=positive_int, default=12,
+                        help="decoder layers of the synthetic model (default 12)")
     parser.add_argument("--drop-caches", action="store_true",
                         help="drop the page cache before every run (root only); default: warm cache")
     parser.add_argument("--repeat", type=positive_int, default=1,
