@@ -71,7 +71,7 @@ def test_files_from_two_model_parts(tmp_path: Path, capsys) -> None:
     _write(tmp_path)
     write_shards(make_shards(make_model(), 4), tmp_path / "ckpts", part=1)
     line = _fails(tmp_path, capsys, _args(str(tmp_path / "ckpts" / "*.pt"), tmp_path))
-    assert "model parts [0, 1]" in line and "one model part at a time" in line
+    assert "model parts [0, 1]" in line and "name one model part's files" in line and "'{j}' in both names" in line
 
 
 def test_missing_shard_index(tmp_path: Path, capsys) -> None:
