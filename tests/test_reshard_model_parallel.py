@@ -204,6 +204,19 @@ def test_the_part_counts_suggested_fit_the_heads_and_every_cut_tensor(tmp_path, 
     assert f"does not divide the 4 attention heads in {heads}; --num-output-parts 1, 2 would" in err
 
 
+@pytest.mark.parametrize("q", ["1", "2"])
+def test_verify_passes_cuts_of_consolidated_parts_whose_ties_are_stored(tmp_path, capsys, q):
+    """A consolidated part stores the tied copy under its own name, as a slice of that part: --verify checks the
+    output part's tie against the planned cut, not against input part 0's stored slice."""
+    _write_parts(tmp_path / "raw", 2, 1)
+    pattern = str(tmp_path / "raw" / OUT.replace("{j}", "{{j}}").format(i="*"))
+    assert reshard_fsdp(["--input", pattern, "--output", str(tmp_path / "cons" / "reshard-model_part-{j}.pt"),
+                         "--unflatten-weights", "--quiet"]) == 0
+    assert main(["--input", str(tmp_path / "cons" / "*.pt"), "--output", str(tmp_path / "q" / "r-model_part-{j}.pt"),
+                 "--num-output-parts", q, "--unflatten-weights", "--verify", "--quiet"]) == 0, capsys.readouterr().err
+    assert len(list((tmp_path / "q").glob("*.pt"))) == int(q)
+
+
 def test_missing_shard_file_is_named(tmp_path, capsys):
     _write_parts(tmp_path, 2, 2)
     (tmp_path / OUT.format(j=1, i=0)).unlink()

@@ -69,8 +69,11 @@ def open_tensor_set(paths: Sequence[str], *, trust: bool = False, skip_optimizer
     return tensor_set_from_source(analyze_inputs([i.structure for i in inputs], list(paths), options), inputs)
 
 
-def tensor_set_from_source(source: Source, inputs: Sequence[InputFile], output_dtype: str | None = None) -> TensorSet:
-    """Every tensor of an analyzed checkpoint as a consolidation (with `--output-dtype`) would write it."""
+def tensor_set_from_source(source: Source, inputs: Sequence[InputFile], output_dtype: str | None = None, *,
+                           stored_ties: bool = True) -> TensorSet:
+    """Every tensor of an analyzed checkpoint as a consolidation (with `--output-dtype`) would write it; a tied copy
+    an unflattened input stores under its own name is read there, unless not `stored_ties` (a model-parallel cut:
+    the input holds another part's slice)."""
     layout, shard0 = source.model, inputs[0].structure
     names = {g: layout.flat_params[k].names[j] for g, k, j in global_params(layout)}
     options = ReshardOptions(unflatten_weights=True, output_dtype=output_dtype)
@@ -78,7 +81,8 @@ def tensor_set_from_source(source: Source, inputs: Sequence[InputFile], output_d
     # paths ("model", NAME), EMA's ("extra_state", "ema", NAME) compared like parameters, (OPTIM, "state", g, STATE)
     model = {".".join(t.path).removeprefix("model."): t for t in targets if t.path[0] != OPTIM}
     optim = {f"{t.path[3]} of {names[t.path[2]]}": t for t in targets if t.path[0] == OPTIM}
-    stored = {clean_key(str(k)): k for k, v in shard0["model"].items() if is_tensor(v)} if layout.unflattened else {}
+    stored = ({clean_key(str(k)): k for k, v in shard0["model"].items() if is_tensor(v)}
+              if layout.unflattened and stored_ties else {})
     for src, dst in layout.ties:  # an unflattened file stores each tied copy under its own name: read that
         if dst in stored:
             tensor = shard0["model"][stored[dst]]

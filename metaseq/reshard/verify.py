@@ -81,7 +81,7 @@ def _verify_part(plan: Plan, part: int) -> Counter:
             if (padded, kept) != (padded_len, end - start):
                 raise ReshardError(f"{path}: '{fp.key}' holds {kept} of {padded} elements, "
                                    f"expected {end - start} of {padded_len}")
-    inputs = tensor_set_from_source(planned, plan.inputs, opts.output_dtype)
+    inputs = tensor_set_from_source(planned, plan.inputs, opts.output_dtype, stored_ties=outs[0].source is None)
     outputs = tensor_set_from_source(found, files)
     result = compare_tensor_sets(inputs, outputs, exact_dtype=True)
     if not result.equal:
