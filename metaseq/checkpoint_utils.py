@@ -25,6 +25,7 @@ from metaseq.file_io import (atomic_torch_save, checkpoint_prefix, folder_hint, 
                              shard_file_name, shard_glob)
 from metaseq.reshard.layout import analyze_model
 from metaseq.reshard.plan import check_same_save, read_inputs, saved_at
+from metaseq.reshard.schema import cfg_value
 from metaseq.torchzip import Opaque
 
 __all__ = [
@@ -159,6 +160,13 @@ def read_restore_files(restore_file: str, world_size: int, model_parallel_size: 
     try:
         structures = [i.structure for i in read_inputs(unique, trust=trust)]
         check_same_save(structures, unique)
+        declared = cfg_value(structures[0].get("cfg"), "common", "model_parallel_size")
+        if isinstance(declared, int) and declared > parts:  # a part's files alone hold a slice of each weight
+            raise RestoreError(
+                f"--restore-file {restore_file}: {unique[0]} is one of {declared} model parts (cfg['common']"
+                f"['model_parallel_size']) but only {parts} part(s) would be restored; restore all {declared} "
+                f"(--model-parallel-size {declared}, every part's files beside it), or merge them first with "
+                f"{_RESHARD_MP} --num-output-parts {parts}")
         layouts = [analyze_model(structures[j::parts], unique[j::parts]) for j in range(parts)]
     except UserError as e:
         raise RestoreError(f"--restore-file {restore_file}: {e}") from None
@@ -216,6 +224,12 @@ def _consolidated_parts(restore_file: str, model_parallel_size: int) -> list[str
 
 
 def _check_part_count(restore_file: str, parts: list[int], model_parallel_size: int) -> None:
+    if len(parts) < model_parallel_size and parts == list(range(len(parts))):
+        raise RestoreError(
+            f"--restore-file {restore_file}: only model part(s) {parts} are there but --model-parallel-size="
+            f"{model_parallel_size}; are the other parts' files missing? (a checkpoint of {len(parts)} part(s) "
+            f"restores with --model-parallel-size={len(parts)})"
+        )
     if len(parts) != model_parallel_size:
         raise RestoreError(
             f"--restore-file {restore_file}: the checkpoint has {len(parts)} model parts but "

@@ -172,6 +172,23 @@ def test_restore_with_other_model_parallel_size_names_reshard_model_parallel(run
     assert "python -m metaseq.scripts.reshard_model_parallel" in caplog.text
 
 
+def test_restore_of_one_part_alone_is_refused_naming_the_parts(runs, tmp_path, caplog):
+    """Part 0's files without part 1's hold half of each cut weight: refused at P=1 (was a traceback on every rank)
+    and at P=2, before any rank starts."""
+    save_dir, _ = runs["p2"]
+    half = tmp_path / "half"
+    half.mkdir()
+    for path in save_dir.glob("checkpoint_last-model_part-0-shard*.pt"):
+        (half / path.name).symlink_to(path)
+    flags = ["--restore-file", str(half / "checkpoint_last.pt"), "--world-size", str(len(list(half.iterdir())))]
+    assert _main(tmp_path / "p1", flags, caplog) == 2
+    assert "is one of 2 model parts (cfg['common']['model_parallel_size'])" in caplog.text
+    assert "--num-output-parts 1" in caplog.text and "Traceback" not in caplog.text
+    caplog.clear()
+    assert _main(tmp_path / "p2", [*flags[:2], "--world-size", "2", "--model-parallel-size", "2"], caplog) == 2
+    assert "only model part(s) [0] are there but --model-parallel-size=2" in caplog.text
+
+
 def test_restore_with_other_data_parallel_size_names_reshard_fsdp(runs, tmp_path, caplog):
     save_dir, _ = runs["p2"]
     flags = ["--world-size", "2", "--model-parallel-size", "2", "--restore-file", str(save_dir / "checkpoint_last.pt")]
