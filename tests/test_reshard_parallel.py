@@ -21,6 +21,7 @@ from metaseq.reshard.plan import expand_model_parts
 from metaseq.reshard.progress import Progress, make_progress
 from metaseq.reshard.write import list_jobs, write_outputs
 from metaseq.scripts.reshard_fsdp import main
+from metaseq.scripts.reshard_model_parallel import main as reshard_model_parallel
 from synthetic import assert_tree_equal, make_model, make_shards, write_shards
 
 REPO = Path(__file__).resolve().parents[1]
@@ -178,6 +179,22 @@ def test_inputs_changed_after_planning_are_refused(tmp_path: Path) -> None:
     assert not (tmp_path / "o.pt").exists()
 
 
+def test_an_input_changed_while_the_last_output_is_written_is_refused(tmp_path: Path) -> None:
+    """Checked after the copy too: a change during the only output's write leaves no output."""
+    write_shards(make_shards(make_model(), 2), tmp_path / "in")
+    options = ReshardOptions(input_glob_pattern=_pattern(tmp_path / "in"), output_shard_name=str(tmp_path / "o.pt"))
+    plans = plan_reshard(options)
+    changed = plans[0].inputs[1]
+
+    class Touching(Progress):  # the writer reports bytes as it copies: change an input then
+        def advance(self, job: int, nbytes: int) -> None:
+            os.utime(changed.path, ns=(changed.mtime_ns + 10**9,) * 2)
+
+    with pytest.raises(ReshardError, match=f"{changed.path} changed while resharding"):
+        write_outputs(list_jobs(plans), progress=Touching(plans[0].outputs[0].nbytes, 1, mode="off"))
+    assert not (tmp_path / "o.pt").exists() and [p.name for p in tmp_path.iterdir()] == ["in"]
+
+
 def test_progress_totals_count_each_output_once() -> None:
     progress = Progress(30, 3, mode="off")
     for job in range(3):
@@ -259,7 +276,12 @@ def test_tensor_inside_an_object_is_carried(tmp_path: Path) -> None:
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["s0.pt", "s1.pt"]  # no temp file left
 
 
-def test_sigterm_while_writing_removes_outputs_and_reports_one_line(parts_dir, tmp_path, monkeypatch, capsys) -> None:
+@pytest.mark.parametrize("tool, extra", [(main, []), (reshard_model_parallel, ["--num-output-parts", "1"])],
+                         ids=["reshard_fsdp", "reshard_model_parallel"])
+@pytest.mark.parametrize("signum, code, words", [(signal.SIGTERM, 2, "terminated by SIGTERM"),
+                                                 (signal.SIGINT, 130, "interrupted")], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_while_writing_removes_outputs_and_reports_one_line(parts_dir, tmp_path, monkeypatch, capsys, tool,
+                                                                     extra, signum, code, words) -> None:
     real_replace = os.replace
     saved: list[str] = []
 
@@ -267,14 +289,14 @@ def test_sigterm_while_writing_removes_outputs_and_reports_one_line(parts_dir, t
         real_replace(src, dst)
         saved.append(str(dst))
         if len(saved) == 2:  # e.g. torchrun stopping this rank because another one failed
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signum)
 
     monkeypatch.setattr(os, "replace", replace_then_terminated)
     handler_before = signal.getsignal(signal.SIGTERM)
     out = tmp_path / "out" / "s{i}.pt"
-    assert main(["--input", _pattern(parts_dir), "--output", str(out), "--num-output-shards", "4",
-                 "--num-workers", "1"]) == 2
-    assert "terminated by SIGTERM" in _error_line(capsys.readouterr().err)
+    assert tool(["--input", _pattern(parts_dir), "--output", str(out), "--num-output-shards", "4",
+                 "--num-workers", "1", *extra]) == code
+    assert words in _error_line(capsys.readouterr().err)
     assert len(saved) == 2 and not any(os.path.exists(p) for p in saved)  # the second: renamed, then the signal
     assert signal.getsignal(signal.SIGTERM) is handler_before  # main() put the previous handler back
 

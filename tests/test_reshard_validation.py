@@ -404,6 +404,15 @@ def test_bad_options(tmp_path: Path, capsys, extra: list[str], words: str) -> No
     assert words in _fails(tmp_path, capsys, _args(pattern, tmp_path, *extra))
 
 
+def test_one_file_given_as_two_shards_is_refused(tmp_path: Path, capsys) -> None:
+    pattern = _write(tmp_path)
+    last = sorted(Path(tmp_path / "ckpts").glob("*.pt"))[-1]
+    last.unlink()
+    last.symlink_to(last.parent / last.name.replace("shard3", "shard2"))
+    line = _fails(tmp_path, capsys, _args(pattern, tmp_path))
+    assert f"{last.parent / last.name.replace('shard3', 'shard2')} and {last} are the same file (a link?)" in line
+
+
 @pytest.mark.parametrize("output", ["o/{i}/../s.pt", "o/s{i}.pt/../s.pt"])
 def test_output_names_that_alias_one_file(tmp_path: Path, capsys, output: str) -> None:
     argv = ["--input", _write(tmp_path), "--output", str(tmp_path / output), "--num-output-shards", "3"]

@@ -234,9 +234,12 @@ def read_inputs(paths: Sequence[str], *, trust: bool = False) -> list[InputFile]
     Files `metaseq.torchzip` cannot read (torch's legacy format) are loaded with torch into
     memory, which needs `trust` when they hold classes outside the checkpoint format.
     """
-    inputs = []
+    inputs, seen = [], {}
     for path in paths:
         stat = os.stat(path)
+        other = seen.setdefault((stat.st_dev, stat.st_ino), path)
+        if other != path:
+            raise ReshardError(f"{other} and {path} are the same file (a link?); give each shard's own file")
         try:
             structure, found = read_checkpoint(path)
         except NeedsTorch as e:

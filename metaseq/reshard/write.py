@@ -93,17 +93,24 @@ def write_outputs(jobs: Sequence[Job], *, num_workers: int = 1, progress: Progre
 
 
 def _write_one(job: Job, crc32: bool, report: object) -> int:
-    """Write one output atomically; returns its size."""
-    for item in [i for i in job.plan.inputs if i.size >= 0]:  # -1: given in memory
-        stat = os.stat(item.path)
-        if (stat.st_size, stat.st_mtime_ns) != (item.size, item.mtime_ns):
-            raise ReshardError(f"{item.path} changed while resharding (size or time differ from planning); rerun")
+    """Write one output atomically; returns its size. The inputs must be as planned before and after the copy (else
+    the temp file is removed, never renamed into place)."""
+    _check_unchanged(job.plan)
     obj = assemble_output(job.plan, job.out)
     try:
         with atomic_output(job.out.path) as f:
-            return write_checkpoint(f.fileno(), obj, crc32=crc32, report=report)
+            size = write_checkpoint(f.fileno(), obj, crc32=crc32, report=report)
+            _check_unchanged(job.plan)
+            return size
     except OSError as e:
         raise ReshardError(f"{job.out.path}: cannot write ({e.strerror or e})") from e
+
+
+def _check_unchanged(plan: Plan) -> None:
+    for item in [i for i in plan.inputs if i.size >= 0]:  # -1: given in memory
+        stat = os.stat(item.path)
+        if (stat.st_size, stat.st_mtime_ns) != (item.size, item.mtime_ns):
+            raise ReshardError(f"{item.path} changed while resharding (size or time differ from planning); rerun")
 
 
 def _file_ids(paths: Sequence[str]) -> dict[str, tuple[int, int]]:

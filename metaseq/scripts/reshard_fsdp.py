@@ -12,7 +12,7 @@ import logging
 import signal
 import sys
 import threading
-from typing import Any
+from typing import Any, Callable
 
 from metaseq.cli_logging import OneLineErrorParser, add_bool_flag, cli_logging, one_line_error, positive_int
 from metaseq.reshard import ReshardError, ReshardOptions, describe_plan, reshard, reshard_fsdp_checkpoints
@@ -123,23 +123,34 @@ def _on_sigterm(handler: Any) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point; returns 0 on success and 2 on any error (reported as one line on stderr)."""
+    return run_main(build_parser(), argv, _run)
+
+
+def run_main(parser: argparse.ArgumentParser, argv: list[str] | None,
+             action: Callable[[argparse.Namespace, World | None], int]) -> int:
+    """The reshard CLIs' `main`: parse, find the launcher's world (only rank 0 logs progress), run `action`; any
+    error, SIGTERM (torchrun stopping the other ranks) or Ctrl-C is one line, this run's outputs removed."""
     with cli_logging(logging.INFO) as package_logger:
         previous_sigterm = _on_sigterm(_raise_terminated)
         try:
-            args = build_parser().parse_args(argv)
-            world = detect_world()  # torchrun / srun: only rank 0 logs progress
+            args = parser.parse_args(argv)
+            world = detect_world()
             if args.quiet or (world is not None and world.rank != 0):
                 package_logger.setLevel(logging.WARNING)
-            return _run(args, world)
+            return action(args, world)
         except Exception as err:  # noqa: BLE001 -- any error: one line, no traceback
             logger.error("%s", one_line_error(err))
             return 2
         except _Terminated:
             logger.error("terminated by SIGTERM; any outputs of this run were removed")
             return 2
+        except KeyboardInterrupt:
+            logger.error("interrupted; any outputs of this run were removed")
+            return 130
         finally:
             if previous_sigterm is not None:
                 _on_sigterm(previous_sigterm)
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -14,10 +14,11 @@ import argparse
 import logging
 import sys
 
-from metaseq.cli_logging import OneLineErrorParser, add_bool_flag, cli_logging, one_line_error, positive_int
+from metaseq.cli_logging import OneLineErrorParser, add_bool_flag, positive_int
 from metaseq.reshard import ReshardOptions, describe_plan, reshard
-from metaseq.reshard.distributed import detect_world
+from metaseq.reshard.distributed import World
 from metaseq.reshard.options import DTYPES
+from metaseq.scripts.reshard_fsdp import run_main
 
 __all__ = ["build_parser", "main"]
 
@@ -81,20 +82,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI entry point; 0 on success, 2 on any error (one line on stderr)."""
-    with cli_logging(logging.INFO) as package_logger:
-        try:
-            args = build_parser().parse_args(argv)
-            world = detect_world()
-            if args.quiet or (world is not None and world.rank != 0):
-                package_logger.setLevel(logging.WARNING)
-            plans = reshard(ReshardOptions.from_fields(vars(args)), world=world)
-            if args.dry_run and (world is None or world.rank == 0):
-                print("\n".join(line for plan in plans for line in describe_plan(plan)))  # the answer, on stdout
-            return 0
-        except Exception as err:  # noqa: BLE001 -- any error: one line, no traceback
-            logger.error("%s", one_line_error(err))
-            return 2
+    """CLI entry point; 0 on success, 2 on any error (one line on stderr), as `reshard_fsdp.main`."""
+    return run_main(build_parser(), argv, _run)
+
+
+def _run(args: argparse.Namespace, world: World | None) -> int:
+    plans = reshard(ReshardOptions.from_fields(vars(args)), world=world)
+    if args.dry_run and (world is None or world.rank == 0):
+        print("\n".join(line for plan in plans for line in describe_plan(plan)))  # the answer, on stdout
+    return 0
 
 
 if __name__ == "__main__":
