@@ -195,7 +195,7 @@ def expand_model_parts(input_glob_pattern: str, output_shard_name: str) -> list[
 
 def output_paths(output_shard_name: str, num_output_shards: int, inputs: Sequence[str], *,
                  overwrite: bool) -> list[str]:
-    """`{i}` in the name (checked by `_check_output_name`) becomes the output shard index; never clobber inputs."""
+    """`{i}` in the name (checked by `check_output_name`) becomes the output shard index; never clobber inputs."""
     outputs = [output_shard_name.replace("{i}", str(i)) for i in range(num_output_shards)]
     real_inputs = {os.path.realpath(p) for p in inputs}
     for path in outputs:

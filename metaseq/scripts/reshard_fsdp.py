@@ -100,6 +100,11 @@ def _run(args: argparse.Namespace, world: World | None) -> int:
     if args.torch_io:
         logger.warning("--torch-io has no effect any more (every output is written the same way); "
                        "it will be removed in release 0.3")
+    return run_reshard(args, world)
+
+
+def run_reshard(args: argparse.Namespace, world: World | None) -> int:
+    """Reshard as the flags (`ReshardOptions` fields) say; with --dry-run, rank 0 prints the plan."""
     plans = reshard(ReshardOptions.from_fields(vars(args)), world=world)
     if args.dry_run and (world is None or world.rank == 0):
         print("\n".join(line for plan in plans for line in describe_plan(plan)))  # the answer, on stdout

@@ -11,18 +11,14 @@ rules in `metaseq.models.partition` and their bytes copied, optimizer state incl
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
 from metaseq.cli_logging import OneLineErrorParser, add_bool_flag, positive_int
-from metaseq.reshard import ReshardOptions, describe_plan, reshard
-from metaseq.reshard.distributed import World
 from metaseq.reshard.options import DTYPES
-from metaseq.scripts.reshard_fsdp import run_main
+from metaseq.scripts.reshard_fsdp import run_main, run_reshard
 
 __all__ = ["build_parser", "main"]
 
-logger = logging.getLogger("metaseq.scripts.reshard_model_parallel")
 
 EPILOG = """\
 examples:
@@ -83,14 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point; 0 on success, 2 on any error (one line on stderr), as `reshard_fsdp.main`."""
-    return run_main(build_parser(), argv, _run)
-
-
-def _run(args: argparse.Namespace, world: World | None) -> int:
-    plans = reshard(ReshardOptions.from_fields(vars(args)), world=world)
-    if args.dry_run and (world is None or world.rank == 0):
-        print("\n".join(line for plan in plans for line in describe_plan(plan)))  # the answer, on stdout
-    return 0
+    return run_main(build_parser(), argv, run_reshard)
 
 
 if __name__ == "__main__":
