@@ -157,21 +157,17 @@ def _pieces(shape: Size, rule: Rule, in_parts: int, out_parts: int,
     inner = math.prod(shape[rule.dim + 1 :])
     block = shape[rule.dim] // rule.blocks
     in_len, out_len = block // in_parts, block // out_parts
-    columns: list[tuple[int, int, int]] = []
+    stride = rule.blocks * in_len * inner
+    if 0 < in_len == out_len:  # whole rows of one part: one block of elements
+        return [(part, 0, stride * outer)], 1, 0
+    columns: list[tuple[int, int, int]] = []  # none continues the one before: pieces of a block are of different parts
     for b in range(rule.blocks):
         row, end = part * out_len, (part + 1) * out_len  # rows of the block
         while row < end:
             p, local = divmod(row, in_len)
             stop = min(end, (p + 1) * in_len)
-            offset, length = (b * in_len + local) * inner, (stop - row) * inner
-            if columns and columns[-1][0] == p and columns[-1][1] + columns[-1][2] == offset:
-                columns[-1] = (p, columns[-1][1], columns[-1][2] + length)
-            else:
-                columns.append((p, offset, length))
+            columns.append((p, (b * in_len + local) * inner, (stop - row) * inner))
             row = stop
-    stride = rule.blocks * in_len * inner
-    if len(columns) == 1 and columns[0][2] == stride:  # whole rows of one part: one block of elements
-        return [(columns[0][0], columns[0][1], stride * outer)], 1, 0
     return columns, outer, stride
 
 
