@@ -149,6 +149,12 @@ def _untied_flat_key(shards: list[dict[str, Any]]) -> None:
     shards[1]["model"]["_fsdp_wrapped_module.flat_param_0"] = shards[1]["model"]["flat_param_0"]
 
 
+def _one_flat_key_as_names(shards: list[dict[str, Any]]) -> None:
+    """Layer 1's flat parameter stored under its original name, while the others keep their flat keys."""
+    model = shards[2]["model"]
+    model["decoder.layers.1.scale"] = model.pop("decoder.layers.1.flat_param_0")
+
+
 def _tie_to_nothing(shards: list[dict[str, Any]]) -> None:
     for shard in shards:
         shard["shard_metadata"]["param_metadata"][0]["shared_param_info"] = [("nope.weight", "decoder.foo.weight")]
@@ -168,6 +174,8 @@ def _tie_to_nothing(shards: list[dict[str, Any]]) -> None:
         (_untied_flat_key, 1, "keys 'flat_param_0' and '_fsdp_wrapped_module.flat_param_0' both mean 'flat_param_0'"),
         (lambda s: s[2]["model"].pop("decoder.layers.0.flat_param_0"), 2,
          "model has no 'decoder.layers.0.flat_param_0' (nor original parameter names such as 'decoder.layers.0.fc1"),
+        (_one_flat_key_as_names, 2,
+         "model has no 'decoder.layers.1.flat_param_0' (nor original parameter names such as 'decoder.embed_tokens"),
     ],
 )
 def test_metadata_malformed_or_disagreeing_across_shards(tmp_path, capsys, spoil: Spoil, culprit: int,

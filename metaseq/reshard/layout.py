@@ -237,7 +237,7 @@ def _is_unflattened(key_map: Mapping[str, str], model: Mapping[str, Any], flat_p
     has_names = all(n in key_map for fp in flat_params for n in fp.names)
     if not has_flat and not has_names:
         missing = next(fp for fp in flat_params if fp.key not in key_map)
-        name = next(n for n in missing.names if n not in key_map) if missing.names else "?"
+        name = next((n for fp in (missing, *flat_params) for n in fp.names if n not in key_map), "?")  # its own first
         raise ReshardError(f"{label}: model has no '{missing.key}' (nor original parameter names such as '{name}'); "
                            "shard_metadata does not describe this model")
     # Keys of both kinds (a backing name can be an original name): unflattened unless every flat tensor is 1-D.
