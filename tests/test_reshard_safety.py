@@ -178,12 +178,14 @@ def test_full_disk_is_a_clean_error_and_leaves_nothing(big_dir: Path, small_disk
     folder, preexec = small_disk
     inputs = _sha(big_dir)
     cmd = [sys.executable, "-m", "metaseq.scripts.reshard_fsdp", "--input", str(big_dir / SHARD.format("*")),
-           "--output", str(folder / "shard{i}.pt"), "--num-output-shards", "3", "--num-workers", workers]
+           "--output", str(folder / "new" / "sub" / "shard{i}.pt"), "--num-output-shards", "3",
+           "--num-workers", workers]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120, preexec_fn=preexec)
     assert proc.returncode == 2
     line = _one_error_line(proc.stderr)
-    assert re.search(rf"{folder}/shard\d\.pt: cannot write \((No space left on device|File too large)\)", line), line
-    assert list(folder.iterdir()) == []  # neither the outputs already written nor temp files
+    written = rf"{folder}/new/sub/shard\d\.pt: cannot write \((No space left on device|File too large)\)"
+    assert re.search(written, line), line
+    assert list(folder.iterdir()) == []  # neither the outputs already written, nor temp files, nor the new folders
     assert _sha(big_dir) == inputs
 
 
@@ -299,7 +301,7 @@ def test_verify_failure_names_the_tensor_and_removes_outputs(big_dir, tmp_path, 
     line = _one_error_line(capsys.readouterr().err)
     assert state["flipped"] and "--verify failed, outputs removed:" in line, line
     assert re.search(r"difference\(s\) between the outputs and the inputs, first decoder\.[\w.]+: max abs diff", line)
-    assert list(out.iterdir()) == []
+    assert not out.exists()  # the outputs, and the folder the run made for them, are gone
 
 
 # --- corruption fuzzing --------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from metaseq.reshard.distributed import World
 from metaseq.reshard.options import ReshardOptions
 from metaseq.reshard.plan import InputFile, Plan, assemble_output, plan_reshard, plan_structures, summarize_plan
 from metaseq.reshard.progress import make_progress
-from metaseq.reshard.write import available_cpus, list_jobs, remove_outputs, write_outputs
+from metaseq.reshard.write import available_cpus, list_jobs, missing_folders, remove_outputs, write_outputs
 from metaseq.torchzip import from_torch, to_torch
 
 __all__ = ["reshard", "reshard_fsdp_checkpoints", "reshard_shards"]
@@ -62,6 +62,7 @@ def _write_and_verify(world: World, plans: Sequence[Plan], options: ReshardOptio
     progress = make_progress(sum(j.out.nbytes for j in mine), len(mine), quiet=options.quiet or world.rank != 0,
                              label=label)
     written: list[str] = []
+    folders = missing_folders([j.out.path for j in jobs])  # removed again if the run fails
     try:
         dist_run.agree(world, lambda: written.extend(write_outputs(mine, num_workers=workers, progress=progress,
                                                                    crc32=options.verify)))
@@ -69,7 +70,7 @@ def _write_and_verify(world: World, plans: Sequence[Plan], options: ReshardOptio
             for report in dist_run.agree(world, lambda: [verify_reshard_outputs(p) for p in shared]):
                 logger.info("%s", report)
     except BaseException as e:
-        remove_outputs(written)
+        remove_outputs(written, folders=folders)
         if world.size > 1 and isinstance(e, ReshardError):  # raised by `agree` on every rank alike
             dist_run.barrier()  # no rank exits (and gets the launcher to kill the rest) before all have cleaned up
         raise

@@ -15,6 +15,7 @@ import contextlib
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor, as_completed
+from pathlib import Path
 from typing import NamedTuple, Sequence
 
 from metaseq.errors import ReshardError
@@ -23,7 +24,7 @@ from metaseq.reshard.plan import OutFile, Plan, assemble_output
 from metaseq.reshard.progress import Progress
 from metaseq.torchzip import write_checkpoint
 
-__all__ = ["Job", "available_cpus", "list_jobs", "remove_outputs", "write_outputs"]
+__all__ = ["Job", "available_cpus", "list_jobs", "missing_folders", "remove_outputs", "write_outputs"]
 
 
 class Job(NamedTuple):
@@ -123,11 +124,21 @@ def _file_ids(paths: Sequence[str]) -> dict[str, tuple[int, int]]:
     return ids
 
 
-def remove_outputs(written: Sequence[str], planned: Sequence[str] = ()) -> None:
-    """Remove the files written, and temp files that killed writers of `planned` paths left."""
+def missing_folders(paths: Sequence[str]) -> list[str]:
+    """The folders writing `paths` would make (they do not exist yet), the deepest first."""
+    folders = {f for p in paths for f in Path(p).absolute().parents if not f.exists()}
+    return [str(f) for f in sorted(folders, key=lambda f: len(f.parts), reverse=True)]
+
+
+def remove_outputs(written: Sequence[str], planned: Sequence[str] = (), folders: Sequence[str] = ()) -> None:
+    """Remove the files written, temp files that killed writers of `planned` paths left, then `folders` left empty
+    (`missing_folders` before the run: one that holds files, e.g. another rank's, stays)."""
     for path in written:
         with contextlib.suppress(OSError):
             os.unlink(path)
     for path in planned:
         with contextlib.suppress(OSError):
             remove_stale_temp_files(path)
+    for folder in folders:
+        with contextlib.suppress(OSError):
+            os.rmdir(folder)
