@@ -601,21 +601,20 @@ def pickle_bytes(obj: Any) -> bytes:
     return _Pickler().dump(obj)
 
 
-def _entries(obj: Any, archive: str) -> list[_Entry]:
+def _entries(obj: Any) -> list[_Entry]:
     pickler = _Pickler()
 
     def small(name: str, data: bytes) -> _Entry:
-        return _Entry(f"{archive}/{name}".encode(), len(data), data, crc=zlib.crc32(data))
+        return _Entry(f"archive/{name}".encode(), len(data), data, crc=zlib.crc32(data))
 
     entries = [small("data.pkl", pickler.dump(obj)), small(".format_version", b"1"),  # dump() fills .storages
                small(".storage_alignment", str(ALIGNMENT).encode()), small("byteorder", b"little")]
-    entries += [_Entry(f"{archive}/data/{key}".encode(), s.nbytes, storage=s) for key, s in pickler.storages.values()]
+    entries += [_Entry(f"archive/data/{key}".encode(), s.nbytes, storage=s) for key, s in pickler.storages.values()]
     serialization_id = str(int.from_bytes(os.urandom(16), "little")).zfill(40)[:40].encode()
     return entries + [small("version", b"3\n"), small(".data/serialization_id", serialization_id)]
 
 
-def write_checkpoint(fd: int, obj: Any, *, archive: str = "archive", crc32: bool = False,
-                     report: Report | None = None) -> int:
+def write_checkpoint(fd: int, obj: Any, *, crc32: bool = False, report: Report | None = None) -> int:
     """Write `obj` as a torch checkpoint to the empty file `fd`; returns the file size.
 
     Storages are filled from their copies: `copy_file_range` from files (input by input,
@@ -624,7 +623,7 @@ def write_checkpoint(fd: int, obj: Any, *, archive: str = "archive", crc32: bool
     only with `crc32` (read back once written; torch never checks them). `report(nbytes)`
     is called as storage bytes are written.
     """
-    entries = _entries(obj, archive)
+    entries = _entries(obj)
     offset = 0
     for entry in entries:
         entry.header_offset = offset
