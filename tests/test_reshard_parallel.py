@@ -4,9 +4,12 @@ from __future__ import annotations
 import io
 import os
 import signal
+import socket
 import subprocess
 import sys
+import time
 import types
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +19,7 @@ import torch
 from metaseq.errors import ReshardError
 from metaseq.file_io import load_checkpoint
 from metaseq.reshard import ReshardOptions, plan_reshard, reshard_shards
+from metaseq.reshard import distributed
 from metaseq.reshard.distributed import World, detect_world, first_slurm_host
 from metaseq.reshard.plan import expand_model_parts
 from metaseq.reshard.progress import Progress, make_progress
@@ -242,6 +246,22 @@ def test_torchrun_failure_on_one_rank_fails_every_rank_and_removes_outputs(parts
     # Both ranks report it, unless torchrun stops one (SIGTERM) as soon as the other has exited.
     assert any(f"rank 1 of 2: {out / '1' / 'shard.pt'}: cannot write" in e for e in errors), proc.stderr
     assert [p.name for p in out.rglob("*") if p.is_file()] == ["1"]  # rank 0's output removed
+
+
+def test_a_rank_whose_peers_never_start_fails_after_the_join_timeout(parts_dir, tmp_path, monkeypatch, capsys) -> None:
+    """Rank 0 of 2 alone (the other task never started): one error line after JOIN_TIMEOUT, not a 12 h wait."""
+    with socket.socket() as sock:  # a free port
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    for key, value in {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(distributed, "JOIN_TIMEOUT", timedelta(seconds=2))
+    started = time.monotonic()
+    assert main(["--input", _pattern(parts_dir), "--output", str(tmp_path / "out" / "s{i}.pt"), "--quiet"]) == 2
+    assert time.monotonic() - started < 60
+    line = _error_line(capsys.readouterr().err)
+    assert f"torchrun rank 0 of 2: the ranks did not all join at 127.0.0.1:{port} within 2 s (" in line, line
+    assert "check that all 2 started" in line and not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("flags", [

@@ -15,7 +15,7 @@ import os
 import re
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable, Mapping, TypeVar
+from typing import Any, Callable, Mapping, TypeVar
 
 from metaseq.errors import ReshardError, one_line_error
 
@@ -24,6 +24,8 @@ __all__ = ["World", "agree", "barrier", "close_world", "detect_world", "first_sl
 T = TypeVar("T")
 # Collectives wait for the slowest rank's writes; a crashed rank is noticed sooner (closed connection).
 TIMEOUT = timedelta(hours=12)
+JOIN_TIMEOUT = timedelta(minutes=15)  # for every rank to start and join; a rank that never starts fails the run then
+_group: Any = None  # the group of `open_world`, with TIMEOUT (None: the default group)
 
 
 @dataclass(frozen=True)
@@ -76,7 +78,16 @@ def open_world(world: World) -> bool:
     if missing:
         raise ReshardError(f"{world.launcher} rank {world.rank} of {world.size}: {' and '.join(missing)} not set; "
                            "export them (rank 0's host name and a free port) or launch with torchrun")
-    dist.init_process_group("gloo", init_method="env://", rank=world.rank, world_size=world.size, timeout=TIMEOUT)
+    global _group
+    try:
+        dist.init_process_group("gloo", init_method="env://", rank=world.rank, world_size=world.size,
+                                timeout=JOIN_TIMEOUT)
+    except RuntimeError as e:  # torch's DistStoreError or DistNetworkError
+        waited = f"{JOIN_TIMEOUT.total_seconds():.0f} s"
+        raise ReshardError(f"{world.launcher} rank {world.rank} of {world.size}: the ranks did not all join at "
+                           f"{env['MASTER_ADDR']}:{env['MASTER_PORT']} within {waited} ({one_line_error(e)}); "
+                           f"check that all {world.size} started and reach rank 0's host") from None
+    _group = dist.new_group(timeout=TIMEOUT)
     return True
 
 
@@ -85,6 +96,8 @@ def close_world(created: bool) -> None:
     if created:
         import torch.distributed as dist
 
+        global _group
+        _group = None
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -101,7 +114,7 @@ def agree(world: World | None, fn: Callable[[], T]) -> T:
     except Exception as e:  # noqa: BLE001 -- reported on every rank
         error = f"rank {world.rank} of {world.size}: {one_line_error(e)}"
     errors: list = [None] * world.size
-    dist.all_gather_object(errors, error)
+    dist.all_gather_object(errors, error, group=_group)
     failed = [e for e in errors if e is not None]
     if failed:
         more = f" (and {len(failed) - 1} more rank(s) failed)" if len(failed) > 1 else ""
@@ -114,4 +127,4 @@ def barrier() -> None:
     import torch.distributed as dist
 
     with contextlib.suppress(RuntimeError):  # e.g. "Connection closed by peer"
-        dist.barrier()
+        dist.barrier(group=_group)
