@@ -58,7 +58,7 @@ class Progress:
         elapsed = max(time.monotonic() - self.start, 1e-9)
         rate = self.done / elapsed
         percent = 100 * self.done / self.total if self.total else 100
-        eta = (self.total - self.done) / rate if rate > 0 else 0.0
+        eta = max(0.0, self.total - self.done) / rate if rate > 0 else 0.0  # written bytes can pass the plan's count
         return f"{self.files}/{self.num_files} files, {percent:.0f}%, {rate / 1e6:.1f} MB/s, ETA {eta:.0f} s"
 
     def close(self) -> None:
