@@ -57,7 +57,7 @@ class Progress:
         """`3/16 files, 37%, 210.0 MB/s, ETA 12 s`."""
         elapsed = max(time.monotonic() - self.start, 1e-9)
         rate = self.done / elapsed
-        percent = 100 * self.done / self.total if self.total else 100
+        percent = min(100.0, 100 * self.done / self.total) if self.total else 100
         eta = max(0.0, self.total - self.done) / rate if rate > 0 else 0.0  # written bytes can pass the plan's count
         return f"{self.files}/{self.num_files} files, {percent:.0f}%, {rate / 1e6:.1f} MB/s, ETA {eta:.0f} s"
 
