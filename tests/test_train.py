@@ -137,7 +137,8 @@ def test_save_after_a_reshard_removes_the_earlier_runs_extra_shards_it_replaces(
                          "--output", str(tmp_path / "r2" / "checkpoint_last-model_part-0-shard{i}.pt"), "--quiet"]) == 0
     proc = run_train(run, world_size=2, max_update=TRAIN_UPDATES,
                      extra=["--restore-file", str(tmp_path / "r2" / "checkpoint_last.pt")])
-    assert "shards of an earlier run with more ranks, which this save replaces" in proc.stderr
+    assert ("files of an earlier save under these names, with more shards or model parts, which this save replaces"
+            in proc.stderr)
     assert abs(losses(proc)[6] - uninterrupted[6]) < 1e-5
     for prefix, shards in (("checkpoint_4", 4), ("checkpoint_6", 2), ("checkpoint_last", 2)):
         assert sorted(p.name for p in run.glob(f"{prefix}-*")) == [f"{prefix}-model_part-0-shard{r}.pt" for r in range(shards)]

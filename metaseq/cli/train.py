@@ -356,8 +356,8 @@ def save(model: Any, optimizer: torch.optim.Optimizer, cfg: TrainConfig, model_c
         removed = checkpoint_utils.remove_replaced_shards(cfg.save_dir, state.num_updates, cfg.model_parallel_size,
                                                           cfg.world_size // cfg.model_parallel_size)
         if removed:
-            logger.warning("removed %s: shards of an earlier run with more ranks, which this save replaces",
-                           summarize_paths(removed))
+            logger.warning("removed %s: files of an earlier save under these names, with more shards or model parts, "
+                           "which this save replaces", summarize_paths(removed))
 
 
 def launch(cfg: TrainConfig) -> None:
