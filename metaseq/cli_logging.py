@@ -10,14 +10,16 @@ import argparse
 import contextlib
 import logging
 import math
+import signal
 import sys
-from typing import Callable, Iterator
+import threading
+from typing import Any, Callable, Iterator
 
 from metaseq.errors import UserError, one_line_error
 
 __all__ = [
     "OneLineErrorParser", "add_bool_flag", "cli_logging", "non_negative_float", "non_negative_int", "one_line_error",
-    "parse_bool", "positive_float", "positive_int", "run_cli",
+    "REMOVED", "parse_bool", "positive_float", "positive_int", "run_cli",
 ]
 
 TRUE_WORDS = {"true", "1", "yes", "y", "on"}
@@ -49,6 +51,25 @@ def cli_logging(level: int = logging.INFO) -> Iterator[logging.Logger]:
         package_logger.propagate = saved[1]
 
 
+REMOVED = "; any outputs of this run were removed"  # `run_cli`'s `stopped` for tools that write
+
+
+class _Terminated(SystemExit):
+    """SIGTERM (e.g. a launcher stopping the other ranks) as an exception: `with` blocks and `except BaseException`
+    clean-ups (temp files, partial outputs) run on the way out, as for Ctrl-C."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise _Terminated(2)
+
+
+def _on_sigterm(handler: Any) -> Any:
+    """Install `handler` for SIGTERM where Python allows it (main thread); returns the previous one."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, handler)
+
+
 def run_cli(
     logger: logging.Logger,
     parser: argparse.ArgumentParser,
@@ -56,11 +77,14 @@ def run_cli(
     action: Callable[[argparse.Namespace], int | None],
     *,
     level: int = logging.INFO,
+    stopped: str = "",
 ) -> int:
     """A CLI's `main()`: parse `argv`, run `action(args)` under `cli_logging(level)` (warnings
     only when the parser has `--quiet` and it is given) and return its exit status (None: 0),
-    or 2 after reporting any error through `logger` as one line, without a traceback."""
+    or 2 after reporting any error through `logger` as one line, without a traceback. SIGTERM
+    (exit 2) and Ctrl-C (exit 130) are one line too, `stopped` appended (e.g. REMOVED)."""
     with cli_logging(level) as package_logger:
+        previous_sigterm = _on_sigterm(_raise_terminated)
         try:
             args = parser.parse_args(argv)
             if getattr(args, "quiet", False):
@@ -70,6 +94,15 @@ def run_cli(
         except Exception as err:  # noqa: BLE001 -- any error: one line, no traceback
             logger.error("%s", one_line_error(err))
             return 2
+        except _Terminated:
+            logger.error("terminated by SIGTERM%s", stopped)
+            return 2
+        except KeyboardInterrupt:
+            logger.error("interrupted%s", stopped)
+            return 130
+        finally:
+            if previous_sigterm is not None:
+                _on_sigterm(previous_sigterm)
 
 
 def parse_bool(text: str) -> bool:

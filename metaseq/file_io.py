@@ -176,8 +176,8 @@ def summarize_paths(paths: Sequence[str], limit: int = 3) -> str:
 
 
 def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
-    """`torch.save` through `atomic_output`; a write error such as ENOSPC is raised as that OSError
-    (torch reports it as an opaque RuntimeError)."""
+    """`torch.save` through `atomic_output`; a write error such as ENOSPC is raised as that OSError, and Ctrl-C
+    or SIGTERM during a write as itself (torch reports either as an opaque RuntimeError)."""
     import torch
 
     with atomic_output(path) as f:
@@ -224,16 +224,16 @@ def atomic_output(path: str | os.PathLike) -> Iterator[BinaryIO]:
 
 
 class _WriteErrorRecorder:
-    """File wrapper for torch.save that remembers the OSError a write raised."""
+    """File wrapper for torch.save that remembers what a write raised (an OSError, or Ctrl-C/SIGTERM)."""
 
     def __init__(self, f: BinaryIO) -> None:
         self.f, self.flush = f, f.flush
-        self.error: OSError | None = None
+        self.error: BaseException | None = None
 
     def write(self, data: bytes) -> int:
         try:
             return self.f.write(data)
-        except OSError as e:
+        except BaseException as e:
             self.error = e
             raise
 

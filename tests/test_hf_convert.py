@@ -3,8 +3,10 @@ import argparse
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -235,6 +237,39 @@ def test_output_name_and_existing_outputs_are_checked_first(tmp_path, capsys):
     code, err = _run_cli(convert_to_hf, ["--input", str(tmp_path / "x.pt"), "--output", str(tmp_path / "back")], capsys)
     assert code == 2 and "exists and is not empty; pass --overwrite" in err
     assert os.listdir(tmp_path / "back") == ["keep.txt"]
+
+
+@pytest.mark.parametrize("tool", ["convert_from_hf", "convert_to_hf"])
+@pytest.mark.parametrize("signum, code, words", [(signal.SIGTERM, 2, "terminated by SIGTERM"),
+                                                 (signal.SIGINT, 130, "interrupted")], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_mid_conversion_is_one_line_and_leaves_no_outputs_or_temp_files(tmp_path, monkeypatch, capsys, tool,
+                                                                                signum, code, words):
+    """convert_from_hf: after the temp consolidated file and the first output shard are in place; convert_to_hf:
+    after its temp consolidated file. Both temp folders (in TMPDIR) and the outputs go."""
+    make_hf_model(tmp_path / "hf")
+    assert convert_from_hf.main(["--input", str(tmp_path / "hf"), "--output-shard-name", str(tmp_path / "w2" / SHARDS),
+                                 "--num-output-shards", "2", "-q"]) == 0
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    real_replace, renamed = os.replace, []
+
+    def replace_then_signal(src, dst):
+        real_replace(src, dst)
+        renamed.append(dst)
+        if len(renamed) == (2 if tool == "convert_from_hf" else 1):
+            os.kill(os.getpid(), signum)
+
+    monkeypatch.setattr(os, "replace", replace_then_signal)
+    if tool == "convert_from_hf":
+        argv = ["--input", str(tmp_path / "hf"), "--output-shard-name", str(tmp_path / "out" / SHARDS),
+                "--num-output-shards", "2"]
+    else:
+        argv = ["--input", str(tmp_path / "w2" / SHARDS.replace("{i}", "*")), "--output", str(tmp_path / "out")]
+    assert getattr(sys.modules[f"metaseq.scripts.{tool}"], "main")(argv) == code
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1] == f"ERROR: {words}; any outputs of this run were removed"
+    assert os.listdir(tmp_path / "tmp") == [] and not (tmp_path / "out").exists()
 
 
 def test_checkpoints_of_the_earlier_variant_are_refused_for_export(tmp_path, capsys):

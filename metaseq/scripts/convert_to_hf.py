@@ -8,7 +8,7 @@ import argparse
 import logging
 import sys
 
-from metaseq.cli_logging import OneLineErrorParser, run_cli
+from metaseq.cli_logging import REMOVED, OneLineErrorParser, run_cli
 from metaseq.hf import convert_to_hf
 
 __all__ = ["build_parser", "main"]
@@ -59,7 +59,7 @@ def _run(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point; 0 on success, 2 on any error (one line on stderr)."""
-    return run_cli(logger, build_parser(), argv, _run)
+    return run_cli(logger, build_parser(), argv, _run, stopped=REMOVED)
 
 
 if __name__ == "__main__":

@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
-import threading
-from typing import Any, Callable
+from typing import Callable
 
-from metaseq.cli_logging import OneLineErrorParser, add_bool_flag, cli_logging, one_line_error, positive_int
+from metaseq.cli_logging import REMOVED, OneLineErrorParser, add_bool_flag, positive_int, run_cli
 from metaseq.reshard import ReshardError, ReshardOptions, describe_plan, reshard, reshard_fsdp_checkpoints
 from metaseq.reshard.distributed import World, detect_world
 from metaseq.reshard.options import DTYPES
@@ -111,21 +109,6 @@ def run_reshard(args: argparse.Namespace, world: World | None) -> int:
     return 0
 
 
-class _Terminated(SystemExit):
-    """SIGTERM (e.g. torchrun stopping the other ranks) as an exception: outputs are removed on the way out."""
-
-
-def _raise_terminated(signum: int, frame: object) -> None:
-    raise _Terminated(2)
-
-
-def _on_sigterm(handler: Any) -> Any:
-    """Install `handler` for SIGTERM where Python allows it (main thread); returns the previous one."""
-    if threading.current_thread() is not threading.main_thread():
-        return None
-    return signal.signal(signal.SIGTERM, handler)
-
-
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point; returns 0 on success and 2 on any error (reported as one line on stderr)."""
     return run_main(build_parser(), argv, _run)
@@ -135,26 +118,13 @@ def run_main(parser: argparse.ArgumentParser, argv: list[str] | None,
              action: Callable[[argparse.Namespace, World | None], int]) -> int:
     """The reshard CLIs' `main`: parse, find the launcher's world (only rank 0 logs progress), run `action`; any
     error, SIGTERM (torchrun stopping the other ranks) or Ctrl-C is one line, this run's outputs removed."""
-    with cli_logging(logging.INFO) as package_logger:
-        previous_sigterm = _on_sigterm(_raise_terminated)
-        try:
-            args = parser.parse_args(argv)
-            world = detect_world()
-            if args.quiet or (world is not None and world.rank != 0):
-                package_logger.setLevel(logging.WARNING)
-            return action(args, world)
-        except Exception as err:  # noqa: BLE001 -- any error: one line, no traceback
-            logger.error("%s", one_line_error(err))
-            return 2
-        except _Terminated:
-            logger.error("terminated by SIGTERM; any outputs of this run were removed")
-            return 2
-        except KeyboardInterrupt:
-            logger.error("interrupted; any outputs of this run were removed")
-            return 130
-        finally:
-            if previous_sigterm is not None:
-                _on_sigterm(previous_sigterm)
+    def run(args: argparse.Namespace) -> int:
+        world = detect_world()
+        if world is not None and world.rank != 0:
+            logging.getLogger("metaseq").setLevel(logging.WARNING)  # `run_cli` restores it
+        return action(args, world)
+
+    return run_cli(logger, parser, argv, run, stopped=REMOVED)
 
 
 if __name__ == "__main__":
