@@ -237,6 +237,11 @@ def test_output_name_and_existing_outputs_are_checked_first(tmp_path, capsys):
     code, err = _run_cli(convert_to_hf, ["--input", str(tmp_path / "x.pt"), "--output", str(tmp_path / "back")], capsys)
     assert code == 2 and "exists and is not empty; pass --overwrite" in err
     assert os.listdir(tmp_path / "back") == ["keep.txt"]
+    atomic_torch_save({"model": {}}, tmp_path / "back" / "x.pt")  # an input in the output folder: that comes first
+    for extra in ([], ["--overwrite"]):
+        code, err = _run_cli(convert_to_hf, ["--input", str(tmp_path / "back" / "x.pt"), "--output",
+                                             str(tmp_path / "back"), *extra], capsys)
+        assert code == 2 and f"holds the input {tmp_path / 'back' / 'x.pt'}, which replacing" in err, err
 
 
 @pytest.mark.parametrize("tool", ["convert_from_hf", "convert_to_hf"])

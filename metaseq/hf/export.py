@@ -50,8 +50,12 @@ def convert_to_hf(input_path: str, output_dir: str | os.PathLike, *, overwrite: 
     model-parallel parts, an output folder that holds an input (replacing it would delete it).
     """
     input_path, output_dir = os.path.expanduser(input_path), os.path.expanduser(output_dir)  # a quoted '~' too
-    check_output_directory(output_dir, overwrite=overwrite)  # the cheap checks first
-    check_output_directory(output_dir, overwrite=overwrite, inputs=input_files(input_path))
+    try:
+        inputs = input_files(input_path)
+    except ConversionError:
+        check_output_directory(output_dir, overwrite=overwrite)  # a wrong --output is named first
+        raise
+    check_output_directory(output_dir, overwrite=overwrite, inputs=inputs)  # "holds the input" before "not empty"
     require("safetensors")
     with tempfile.TemporaryDirectory(prefix="metaseq-to-hf-") as tmp:
         ckpt = _load_unflattened(input_path, tmp, trust_checkpoint)
