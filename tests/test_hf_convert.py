@@ -232,6 +232,9 @@ def test_output_name_and_existing_outputs_are_checked_first(tmp_path, capsys):
     code, err = _run_cli(convert_from_hf, ["--input", str(tmp_path / "hf"), "--output-shard-name",
                                            str(tmp_path / "x.pt"), "--num-output-shards", "2"], capsys)
     assert code == 2 and "has no '{i}'" in err
+    code, err = _run_cli(convert_from_hf, ["--input", str(tmp_path / "hf"), "--output-shard-name",
+                                           str(tmp_path / "p{j}-shard{i}.pt"), "--num-output-shards", "2"], capsys)
+    assert code == 2 and "'{j}' (the model part) does not apply: the output is one model part, part 0; write 0" in err
     (tmp_path / "back").mkdir()
     (tmp_path / "back" / "keep.txt").write_text("mine")
     code, err = _run_cli(convert_to_hf, ["--input", str(tmp_path / "x.pt"), "--output", str(tmp_path / "back")], capsys)

@@ -66,6 +66,10 @@ def convert_from_hf(
 
 def _output_paths(name: str, count: int, unflatten: bool, overwrite: bool) -> list[str]:
     """The reshard tool's checks of the output options and names, before the (slow) conversion."""
+    if "{j}" in name:
+        raise ConversionError(f"--output-shard-name {name}: '{{j}}' (the model part) does not apply: the output is "
+                              "one model part, part 0; write 0 instead, e.g. "
+                              "'out/checkpoint_last-model_part-0-shard{i}.pt'")
     try:
         ReshardOptions(output_shard_name=name, num_output_shards=count, unflatten_weights=unflatten)
         check_output_name(name, count)
