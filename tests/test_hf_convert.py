@@ -311,11 +311,16 @@ def test_sharded_safetensors_and_pytorch_bin_without_prefix_convert_alike(tmp_pa
     binary = tmp_path / "bin"
     binary.mkdir()
     (binary / "config.json").write_text((tmp_path / "hf" / "config.json").read_text())
-    torch.save({**state, "lm_head.weight": state["model.decoder.embed_tokens.weight"].clone()}, binary / "pytorch_model.bin")
+    stored = {**state, "lm_head.weight": state["model.decoder.embed_tokens.weight"].clone()}
+    fc1, q, k = (f"model.decoder.layers.0.{n}.weight" for n in ("fc1", "self_attn.q_proj", "self_attn.k_proj"))
+    stored[fc1] = state[fc1].t().contiguous().t()  # column-major, as a transposed-and-saved weight is
+    stored[q], stored[k] = torch.cat([state[q], state[k]]).split(len(state[q]))  # views of one fused storage
+    torch.save(stored, binary / "pytorch_model.bin")
     for folder in (sharded, binary):
         out = tmp_path / f"{folder.name}.pt"
-        convert_from_hf.main(["--input", str(folder), "--output-shard-name", str(out), "--unflatten-weights", "-q"])
-        convert_to_hf.main(["--input", str(out), "--output", str(tmp_path / f"{folder.name}_back"), "-q"])
+        assert convert_from_hf.main(["--input", str(folder), "--output-shard-name", str(out), "--unflatten-weights",
+                                     "-q"]) == 0
+        assert convert_to_hf.main(["--input", str(out), "--output", str(tmp_path / f"{folder.name}_back"), "-q"]) == 0
         assert_same_tensors(state, hf_tensors(tmp_path / f"{folder.name}_back"))
 
 

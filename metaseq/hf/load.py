@@ -140,7 +140,16 @@ def _read_pytorch_bin(path: Path) -> dict[str, torch.Tensor]:
         raise ConversionError(f"{path}: cannot read it ({type(e).__name__}: {str(e).splitlines()[0][:120]})") from None
     if not isinstance(state, dict):
         raise ConversionError(f"{path}: holds a {type(state).__name__}, not a state dict")
-    return state
+    return {k: _own_storage(v) for k, v in state.items()}
+
+
+def _own_storage(value: Any) -> Any:
+    """A tensor that is all of its storage, in order: a transposed or sliced weight (torch.save keeps such views,
+    which the reshard tool refuses) is copied; others are kept as they are."""
+    if not isinstance(value, torch.Tensor) or (
+            value.is_contiguous() and value.untyped_storage().nbytes() == value.numel() * value.element_size()):
+        return value
+    return value.clone(memory_format=torch.contiguous_format)
 
 
 def checkpoint_from_hf(hf_cfg: Mapping[str, Any], state: Mapping[str, torch.Tensor], *, source: str) -> dict[str, Any]:
