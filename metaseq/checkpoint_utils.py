@@ -21,8 +21,8 @@ import torch
 
 from metaseq.distributed.fsdp import lazy_init_all
 from metaseq.errors import UserError
-from metaseq.file_io import (atomic_torch_save, checkpoint_prefix, folder_hint, load_checkpoint, natural_sort_key,
-                             shard_file_name, shard_glob)
+from metaseq.file_io import (atomic_torch_save, checkpoint_prefix, folder_hint, glob_files, is_glob, load_checkpoint,
+                             natural_sort_key, shard_file_name, shard_glob)
 from metaseq.reshard.layout import analyze_model
 from metaseq.reshard.plan import check_same_save, read_inputs, saved_at
 from metaseq.reshard.schema import cfg_value
@@ -132,6 +132,11 @@ def find_restore_files(restore_file: str, world_size: int, model_parallel_size: 
         return [parts[r % model_parallel_size] for r in range(world_size)]
     if hint := folder_hint(restore_file):
         raise RestoreError(f"--restore-file {restore_file}{hint}")
+    if is_glob(restore_file):  # it was read as a stem: "no shard files match DIR/*-shard[*]-model_part-0-shard*.pt"
+        matches = glob_files(restore_file)
+        example = checkpoint_prefix(matches[0]) + ".pt" if matches else "DIR/checkpoint_last.pt"
+        raise RestoreError(f"--restore-file {restore_file} is a glob; name the save instead, e.g. --restore-file "
+                           f"{example} (every part's shard files are found from it)")
     prefix = checkpoint_prefix(restore_file)
     by_part = _shards_by_part(prefix)
     if not by_part:

@@ -125,6 +125,11 @@ def test_restore_file_that_is_a_folder_names_the_checkpoints_in_it(trained):
         find_restore_files(str(save_dir), 2)
     assert str(error.value) == (f"--restore-file {save_dir}; it is a folder: name a checkpoint in it, e.g. "
                                 f"{save_dir}/checkpoint_4.pt, {save_dir}/checkpoint_6.pt, {save_dir}/checkpoint_last.pt")
+    pattern = f"{save_dir}/checkpoint_last-model_part-0-shard*.pt"  # the shards, as reshard_fsdp takes them
+    with pytest.raises(RestoreError) as error:
+        find_restore_files(pattern, 2)
+    assert str(error.value) == (f"--restore-file {pattern} is a glob; name the save instead, e.g. --restore-file "
+                                f"{save_dir}/checkpoint_last.pt (every part's shard files are found from it)")
 
 
 def test_save_after_a_reshard_removes_the_earlier_runs_extra_shards_it_replaces(trained, tmp_path):
