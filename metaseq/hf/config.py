@@ -63,8 +63,9 @@ def hf_generation_config(config: ModelConfig, *, newline_ids: Collection[int] = 
 
     BOS, PAD and UNK are never generated; EOS and the tokenizer's `newline_ids` stop (pass
     them only when the tokenizer is known: a GPT-2 BPE's newline ids are not 14). Generation stops at
-    the model's context (`max_length`); our CLI's `--max-new-tokens` (64) is not carried,
-    so pass `max_new_tokens` to `generate` for the same cap.
+    the model's context (`max_length`); our CLI's `--max-new-tokens` (64) is not carried: pass
+    `max_new_tokens=min(64, max_length - prompt_length)` to `generate` for the same cap (a plain
+    `max_new_tokens` replaces `max_length`, and positions past the context fail).
     """
     return {
         "do_sample": False,
