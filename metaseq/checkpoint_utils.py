@@ -15,6 +15,7 @@ import logging
 import os
 import re
 from argparse import Namespace
+from collections import Counter
 from typing import Any, Mapping, NamedTuple
 
 import torch
@@ -25,7 +26,7 @@ from metaseq.file_io import (atomic_torch_save, checkpoint_prefix, folder_hint, 
                              natural_sort_key, shard_file_name, shard_glob)
 from metaseq.reshard.layout import analyze_model
 from metaseq.reshard.plan import check_same_save, read_inputs, saved_at
-from metaseq.reshard.schema import cfg_value
+from metaseq.reshard.schema import cfg_value, is_tensor
 from metaseq.torchzip import Opaque
 
 __all__ = [
@@ -194,6 +195,13 @@ def read_restore_files(restore_file: str, world_size: int, model_parallel_size: 
     if not isinstance(model, (Mapping, Namespace)):
         raise RestoreError(f"--restore-file {restore_file}: {unique[0]} has no cfg['model'] (the model's sizes); "
                            "restore a checkpoint that metaseq.cli.train, the reshard tools or convert_from_hf wrote")
+    elements: Counter = Counter()  # per floating-point dtype (buffers such as `decoder.version` stay float32)
+    for value in structures[0]["model"].values():
+        if is_tensor(value) and value.dtype.is_floating_point:
+            elements[repr(value.dtype)] += value.numel()
+    if elements and (dtype := elements.most_common(1)[0][0]) != "torch.float32":
+        logger.warning("--restore-file %s: the weights are %s; training runs in float32, so they are loaded and "
+                       "saved as float32 (reshard_fsdp --output-dtype casts a save back)", restore_file, dtype)
     updates = saved_at(structures[0])[0]
     return Restored(updates if isinstance(updates, int) else 0, cfg, model)
 

@@ -2,6 +2,7 @@
 import argparse
 import io
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -13,6 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer, OPTConfig, OPTForCausalLM, pipeline
 
+from metaseq.checkpoint_utils import read_restore_files
 from metaseq.cli import interactive_cli
 from metaseq.file_io import atomic_torch_save, load_checkpoint
 from metaseq.hf import BPETokenizer, ByteTokenizer, model_config_from_cfg
@@ -134,6 +136,16 @@ def test_hf_to_two_shards_one_update_at_lr_0_back_to_hf_and_real_fsdp_metadata(t
         assert ours == fsdp, rank  # names, shapes, order, padding, shared_param_info as fairscale writes them
     assert convert_to_hf.main(["--input", str(trained / SHARDS.replace("{i}", "*")), "--output", str(tmp_path / "back"), "-q"]) == 0
     assert_same_tensors(hf_tensors(tmp_path / "hf"), hf_tensors(tmp_path / "back"))
+
+
+def test_restoring_bf16_weights_for_training_warns_that_they_become_float32(tmp_path, caplog):
+    make_hf_model(tmp_path / "hf", dtype=torch.bfloat16)
+    assert convert_from_hf.main(["--input", str(tmp_path / "hf"), "--output-shard-name", str(tmp_path / "w2" / SHARDS),
+                                 "--num-output-shards", "2", "-q"]) == 0
+    with caplog.at_level(logging.WARNING, logger="metaseq"):
+        read_restore_files(str(tmp_path / "w2" / "checkpoint_last.pt"), 2)
+    assert "the weights are torch.bfloat16; training runs in float32, so they are loaded and saved as float32" in (
+        caplog.text)
 
 
 @pytest.fixture(scope="module")
