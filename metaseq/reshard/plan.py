@@ -271,7 +271,8 @@ def _checked(plan: Plan) -> Plan:
         src = resolve(plan.inputs[index].structure, path)
         if not is_tensor(src) or not src.is_contiguous():
             raise ReshardError(f"{plan.inputs[index].path}: {'.'.join(map(str, path))} is a view of another "
-                               "tensor's storage, not a tensor of its own; such files cannot be resharded")
+                               "tensor's storage, not a tensor of its own; such files cannot be resharded: load "
+                               "it with torch, make that tensor `.contiguous()`, save it again")
     if plan.outputs:
         assemble_output(plan, plan.outputs[0])
     return plan
