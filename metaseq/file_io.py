@@ -116,8 +116,17 @@ def is_glob(path: str) -> bool:
 def _glob_files(pattern: str, flag: str) -> list[str]:
     paths = glob_files(pattern)
     if not paths:
-        raise UserError(f"{flag} {pattern!r} matches no files{folder_hint(pattern, globs=True)}")
+        raise UserError(f"{flag} {pattern!r} matches no files{folder_hint(pattern, globs=True) or _stem_hint(pattern)}")
     return paths
+
+
+def _stem_hint(pattern: str) -> str:
+    """For the name of a save (`DIR/checkpoint_last.pt`, as training and inference take it): its shard files' glob."""
+    shards = [] if is_glob(pattern) else glob_files(shard_glob(pattern, "*"))
+    if not shards:
+        return ""
+    part = "*" if len({_last_int(_PART_RE, p) for p in shards}) > 1 else 0
+    return f"; it names a save, not its files: pass the shard files, e.g. {shard_glob(pattern, part)!r}"
 
 
 def folder_hint(path: str | os.PathLike, *, globs: bool = False) -> str:

@@ -65,6 +65,10 @@ def test_glob_matching_nothing(tmp_path: Path, capsys) -> None:
     assert f"'{folder}' matches no files; it is a folder: name a checkpoint in it, e.g. '{folder / SHARD.format('*')}'" in line
     line = _fails(tmp_path, capsys, _args(str(tmp_path), tmp_path))
     assert line.endswith(f"'{tmp_path}' matches no files; it is a folder without .pt files")
+    stem = folder / "checkpoint_last.pt"  # the save's name, as training and inference take it
+    line = _fails(tmp_path, capsys, _args(str(stem), tmp_path))
+    assert line.endswith(f"'{stem}' matches no files; it names a save, not its files: pass the shard files, e.g. "
+                         f"'{folder / SHARD.format('*')}'")
 
 
 def test_files_from_two_model_parts(tmp_path: Path, capsys) -> None:
