@@ -57,7 +57,7 @@ def natural_sort_key(path: str | os.PathLike) -> list:
 def find_shards(pattern: str, *, flag: str = "--input-glob-pattern") -> list[str]:
     """The files `pattern` matches, ordered by shard index: the number after `shard` in metaseq's names, else the
     one number that differs between the names (`out/s0.pt`, `out/s1.pt`, ...); one file is returned as it is."""
-    paths = _glob_files(pattern, flag)
+    paths = _glob_files(pattern, flag, every_part=False)
     parts = [_last_int(_PART_RE, p) for p in paths]
     if len(set(parts)) > 1 and None in parts:
         example = next(p for p, part in zip(paths, parts) if part is not None)
@@ -77,7 +77,7 @@ def find_model_parts(pattern: str, *, flag: str = "--input-glob-pattern") -> lis
     Parts must be exactly 0..P-1, each with as many shard files (one, for consolidated files).
     """
     by_part: dict[int, list[str]] = {}
-    for path in _glob_files(pattern, flag):
+    for path in _glob_files(pattern, flag, every_part=True):
         part = _last_int(_PART_RE, path)
         if part is None:
             raise UserError(f"{path}: no model part ('model_part-J') in its name; narrow {flag} to the parts' "
@@ -113,31 +113,36 @@ def is_glob(path: str) -> bool:
     return not os.path.isfile(path) and (re.search(r"[*?]", path) is not None or "[" in path and bool(glob.glob(path)))
 
 
-def _glob_files(pattern: str, flag: str) -> list[str]:
+def _glob_files(pattern: str, flag: str, *, every_part: bool) -> list[str]:
+    """The files, or an error with the globs to pass for a folder or a save's name: of one part's shards, or with
+    `every_part` (a tool taking all model parts) of every part's."""
     paths = glob_files(pattern)
     if not paths:
-        raise UserError(f"{flag} {pattern!r} matches no files{folder_hint(pattern, globs=True) or _stem_hint(pattern)}")
+        hint = folder_hint(pattern, globs=True, every_part=every_part) or _stem_hint(pattern, every_part)
+        raise UserError(f"{flag} {pattern!r} matches no files{hint}")
     return paths
 
 
-def _stem_hint(pattern: str) -> str:
+def _stem_hint(pattern: str, every_part: bool) -> str:
     """For the name of a save (`DIR/checkpoint_last.pt`, as training and inference take it): its shard files' glob."""
     shards = [] if is_glob(pattern) else glob_files(shard_glob(pattern, "*"))
     if not shards:
         return ""
-    part = "*" if len({_last_int(_PART_RE, p) for p in shards}) > 1 else 0
-    return f"; it names a save, not its files: pass the shard files, e.g. {shard_glob(pattern, part)!r}"
+    example = shard_glob(pattern, "*" if every_part else 0)
+    return f"; it names a save, not its files: pass the shard files, e.g. {example!r}"
 
 
-def folder_hint(path: str | os.PathLike, *, globs: bool = False) -> str:
+def folder_hint(path: str | os.PathLike, *, globs: bool = False, every_part: bool = False) -> str:
     """For a folder given where a checkpoint was expected: '; it is a folder: ...' naming the checkpoints in it as
-    stems (`DIR/checkpoint_last.pt` for its shards) or, with `globs`, as globs of one part's shards; else ''."""
+    stems (`DIR/checkpoint_last.pt` for its shards) or, with `globs`, as globs of one part's shards (`every_part`:
+    of all parts' shards); else ''."""
     folder = os.path.expanduser(str(path))
     if not os.path.isdir(folder):
         return ""
     found = set()
     for file in glob.glob(os.path.join(glob.escape(folder), "*.pt")):
         stem, part = checkpoint_prefix(file) + ".pt", _last_int(_PART_RE, file)
+        part = "*" if every_part and part is not None else part
         found.add(repr(shard_glob(stem, part)) if globs and stem != file and part is not None else stem)
     if not found:
         return "; it is a folder without .pt files"

@@ -223,6 +223,16 @@ def test_missing_shard_file_is_named(tmp_path, capsys):
     assert f"{tmp_path / OUT.format(j=1, i=0)} is missing" in _fails(capsys, tmp_path, "--num-output-parts", "1")
 
 
+def test_a_folder_or_a_saves_name_is_answered_with_every_parts_glob(tmp_path, capsys):
+    """This tool takes all parts at once: the globs suggested match them all (a per-part tool's would be refused)."""
+    _write_parts(tmp_path, 2, 2)
+    every = repr(str(tmp_path / SHARDS.format(n="last")))
+    assert f"it is a folder: name a checkpoint in it, e.g. {every}" in _fails(capsys, tmp_path, "--num-output-parts",
+                                                                             "1", pattern="")
+    err = _fails(capsys, tmp_path, "--num-output-parts", "1", pattern="checkpoint_last.pt")
+    assert f"it names a save, not its files: pass the shard files, e.g. {every}" in err
+
+
 def test_missing_part_is_named(tmp_path, capsys):
     _write_parts(tmp_path, 2, 2)
     err = _fails(capsys, tmp_path, "--num-output-parts", "1", pattern="*model_part-0-*.pt")
