@@ -235,6 +235,10 @@ def _two_dim_flat(shards: list[dict[str, Any]]) -> None:
         (_wrong_padding, f"{SHARD.format(1)}: flat parameter 'decoder.layers.0.flat_param_0': the shards hold 37 elements"),
         (_impossible_padding, f"{SHARD.format(0)}: padding 999 of 'flat_param_0'"),
         (_two_dim_flat, f"{SHARD.format(1)}: model['flat_param_0'] should be a 1-D flat tensor"),
+        (lambda s: s[2]["model"].__setitem__("flat_param_0", s[2]["model"]["flat_param_0"].half()),  # was cast
+         f"{SHARD.format(2)}: model['flat_param_0'] is torch.float16 but "),
+        (lambda s: _osd(s[1])["state"][0].__setitem__("exp_avg", _osd(s[1])["state"][0]["exp_avg"].double()),
+         "['exp_avg'] is torch.float64 but "),
     ],
 )
 def test_flat_tensor_disagreeing_with_metadata_and_padding(tmp_path, capsys, spoil: Spoil, words: str) -> None:
@@ -305,6 +309,14 @@ def _consolidated_osd(shard: dict[str, Any]) -> dict[str, Any]:
         (lambda c: _consolidated_osd(c)["state"].pop(1), "state lacks parameters [1] of flat parameter 'flat_param_0'"),
         (lambda c: _consolidated_osd(c)["state"][0].__setitem__("exp_avg", torch.zeros(2)),
          "state[0]['exp_avg'] has shape [2] but parameter 'decoder.embed_tokens.weight' has shape [7, 3]"),
+        # Each would be lost silently: one step and one dtype per flat parameter are written.
+        (lambda c: _consolidated_osd(c)["state"][1].__setitem__("step", 9.0),
+         "state[1]['step'] is 9.0 but state[0]['step'] is 10; both are of flat parameter 'flat_param_0'"),
+        (lambda c: _consolidated_osd(c)["state"][2].__setitem__("exp_avg", _consolidated_osd(c)["state"][2]["exp_avg"]
+                                                                .double()),
+         "state[2]['exp_avg'] is torch.float64 but state[0]'s is torch.float32"),
+        (lambda c: c["model"].__setitem__("decoder.layer_norm.bias", c["model"]["decoder.layer_norm.bias"].half()),
+         "model['decoder.layer_norm.bias'] is torch.float16 but model['decoder.embed_tokens.weight'] is torch.float32"),
     ],
 )
 def test_consolidated_optimizer_state_not_matching_the_parameters(tmp_path, capsys, spoil, words: str) -> None:

@@ -296,7 +296,7 @@ def _param_dict(layout: ModelLayout, dicts: Sequence[Mapping[str, Any]], maps: S
     where = root[0] + "".join(f"['{key}']" for key in root[1:])
     sources, dtypes = [], []
     for k, fp in enumerate(layout.flat_params):
-        spans = []
+        spans, first = [], None
         for r, (entries, key_map, label) in enumerate(zip(dicts, maps, layout.labels)):
             pieces = [(n, s, s.numel()) for n, s in zip(fp.names, fp.shapes)] if layout.unflattened else [
                 (fp.key, Size([layout.padded_lengths[k][r]]), layout.kept_lengths[k][r])]
@@ -306,6 +306,12 @@ def _param_dict(layout: ModelLayout, dicts: Sequence[Mapping[str, Any]], maps: S
                     found = list(tensor.shape) if is_tensor(tensor) else type(tensor).__name__
                     bad = _BAD_MODEL if root == ("model",) else _BAD_MIRROR
                     raise ReshardError(bad.format(label=label, where=where, key=key, found=found, shape=list(shape)))
+                first = first or (tensor.dtype, label, f"{where}['{key}']")
+                if tensor.dtype != first[0]:  # it would be cast silently
+                    other = first[2] if first[1] == label else f"{first[1]}'s {first[2]}"
+                    raise ReshardError(f"{label}: {where}['{key}'] is {tensor.dtype!r} but {other} is {first[0]!r}; "
+                                       f"FSDP's flat parameter '{fp.key}' has one dtype: save its tensors in one "
+                                       "(e.g. .float() each)")
                 spans.append(Span(layout.first + r, (*root, key_map[key]), 0, length))
         sources.append(tuple(spans))
         # A flat parameter that holds no parameters has no elements: any tensor's dtype.

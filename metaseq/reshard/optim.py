@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 from metaseq.errors import ReshardError
-from metaseq.reshard.layout import ModelLayout, global_params
+from metaseq.reshard.layout import FlatParam, ModelLayout, global_params
 from metaseq.reshard.ranges import OutTensor, Span, plan_range
 from metaseq.reshard.schema import OPTIM, clean_key, is_tensor
 from metaseq.torchzip import DType, Size, TensorRef
@@ -32,6 +32,20 @@ def _is_scalar_tensor(value: Any) -> bool:
 
 def _copy_scalar(value: Any) -> Any:
     return value.compact() if is_tensor(value) else copy.deepcopy(value)
+
+
+def _scalar_key(value: Any) -> Any:
+    """`value` (a number, a one-element tensor, a list of them) comparable with ==."""
+    if is_tensor(value):
+        return (repr(value.dtype), value.value() if value.numel() == 1 else tuple(value.shape))
+    return tuple(map(_scalar_key, value)) if isinstance(value, list) else value
+
+
+def _check_dtype(value: Any, first: Any, what: str, whose: str, fp: FlatParam) -> None:
+    """A moment's tensors of one flat parameter have one dtype (else they would be cast silently)."""
+    if value.dtype != first.dtype:
+        raise ReshardError(f"{what} is {value.dtype!r} but {whose} is {first.dtype!r}; FSDP's flat parameter "
+                           f"'{fp.key}' has one dtype: save its state in one")
 
 
 @dataclass(frozen=True)
@@ -147,6 +161,8 @@ def _flat_entry(osds: Sequence[Mapping[str, Any]], model: ModelLayout, k: int, n
             raise ReshardError(f"{label}: {OPTIM}.state[{k}]['{name}'] has shape {found} but flat parameter "
                                f"'{fp.key}' has {expected} elements there; the optimizer state does not match the "
                                "flat parameters")
+    for value, label in zip(values[1:], labels[1:]):
+        _check_dtype(value, values[0], f"{label}: {OPTIM}.state[{k}]['{name}']", f"{labels[0]}'s", fp)
     segments = [Span(model.first + r, (OPTIM, "state", k, name), 0, n) for r, n in enumerate(model.kept_lengths[k])]
     return StateEntry(name, segments=tuple(segments), dtype=values[0].dtype)
 
@@ -196,6 +212,11 @@ def _consolidated_entry(state: Mapping[int, Mapping[str, Any]], model: ModelLayo
                         name: str, per_element: bool) -> StateEntry:
     first, fp = state[ids[0]][name], model.flat_params[k]
     if not per_element:
+        odd = next((g for g in ids[1:] if _scalar_key(state[g].get(name)) != _scalar_key(first)), None)
+        if odd is not None:  # one value per flat parameter is kept: the others' would be lost
+            raise ReshardError(f"{model.labels[0]}: {OPTIM}.state[{odd}]['{name}'] is {state[odd].get(name)!r} but "
+                               f"state[{ids[0]}]['{name}'] is {first!r}; both are of flat parameter '{fp.key}', which "
+                               "FSDP steps as one: give them one value, or pass --skip-optimizer-state")
         gathered = isinstance(first, list) and bool(first) and all(_is_scalar_tensor(v) for v in first)
         return StateEntry(name, values=tuple(first) if gathered else (first,), gathered=gathered)
     for g, param_name, shape in zip(ids, fp.names, fp.shapes):
@@ -204,6 +225,7 @@ def _consolidated_entry(state: Mapping[int, Mapping[str, Any]], model: ModelLayo
             found = list(value.shape) if is_tensor(value) else type(value).__name__
             raise ReshardError(f"{model.labels[0]}: {OPTIM}.state[{g}]['{name}'] has shape {found} but parameter "
                                f"'{param_name}' has shape {list(shape)}")
+        _check_dtype(value, first, f"{model.labels[0]}: {OPTIM}.state[{g}]['{name}']", f"state[{ids[0]}]'s", fp)
     segments = [Span(model.first, (OPTIM, "state", g, name), 0, shape.numel()) for g, shape in zip(ids, fp.shapes)]
     return StateEntry(name, segments=tuple(segments), dtype=first.dtype)
 
