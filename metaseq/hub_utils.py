@@ -138,7 +138,8 @@ def load_inference_checkpoint(path: str, *, trust: bool = False) -> dict[str, An
                                                                                 options, [out])
             write_outputs(list_jobs([plan]))
         except (ReshardError, UserError) as e:  # e.g. an incomplete or inconsistent shard set
-            raise InferenceLoadError(f"--path {path}: cannot consolidate its files: {e}") from None
+            detail = str(e).replace("--input-glob-pattern", "the glob of its parts")  # the planner's flag
+            raise InferenceLoadError(f"--path {path}: cannot consolidate its files: {detail}") from None
         logger.info("consolidated %d file(s) into one", len(plan.inputs))
         return read_servable(out, trust=trust)
 

@@ -14,7 +14,7 @@ import torch
 
 from metaseq.cli import interactive_cli
 from metaseq.file_io import load_checkpoint
-from metaseq.hub_utils import build_inference_model, load_inference_checkpoint
+from metaseq.hub_utils import InferenceLoadError, build_inference_model, load_inference_checkpoint
 from metaseq.models.partition import split_param
 from metaseq.scripts.reshard_fsdp import main as reshard_fsdp
 from metaseq.scripts.reshard_model_parallel import main
@@ -342,6 +342,12 @@ def test_inference_merges_consolidated_parts(mp_runs, tmp_path):
     for name, tensor in one["model"].items():
         assert torch.equal(merged["model"][name], tensor), name
         assert torch.equal(from_shards["model"][name], tensor), name
+    (tmp_path / "reshard-model_part-1.pt").unlink()
+    with pytest.raises(InferenceLoadError) as error:  # named as interactive_cli's flag, not the reshard tool's
+        load_inference_checkpoint(str(tmp_path / "reshard-model_part-{j}.pt"))
+    message = str(error.value)
+    assert "cannot consolidate its files: " in message and "but the glob of its parts matches 1" in message
+    assert "--input-glob-pattern" not in message
 
 
 @pytest.mark.parametrize("p, n, q, m", [(2, 3, 1, 1), (4, 3, 1, 2), (1, 3, 4, 1), (4, 2, 2, 3), (2, 2, 4, 3)])
