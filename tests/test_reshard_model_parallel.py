@@ -375,5 +375,7 @@ def test_dry_run_and_verify_of_a_model_parallel_plan(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "4 file(s) of all model parts -> 1 part(s) x 3 flat shard(s)" in out and "output part 0 shard 2" in out
     assert not (tmp_path / "out").exists()
+    braces = ["--input", str(tmp_path / "checkpoint_last-model_part-{j}-shard*.pt"), *argv[2:]]  # as reshard_fsdp's
+    assert main([*braces, "--dry-run"]) == 0 and capsys.readouterr().out == out
     assert main([*argv, "--verify"]) == 0
     assert "verified 3 output(s): 9 parameters, 2 buffers, 16 optimizer tensors bit-identical" in capsys.readouterr().err

@@ -126,7 +126,7 @@ def _check_nothing_left_beside(name: str, outputs: set[str]) -> None:
 def plan_model_parallel(options: ReshardOptions) -> Plan:
     """P parts x N shards (or P consolidated files) -> `num_output_parts` x `num_output_shards` files."""
     try:
-        groups = find_model_parts(options.input_glob_pattern)
+        groups = find_model_parts(options.input_glob_pattern.replace("{j}", "*"))  # '{j}': every part, as in reshard
     except UserError as e:
         raise ReshardError(str(e)) from None
     paths = [path for group in groups for path in group]

@@ -56,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     parser.add_argument("--input-glob-pattern", "--input", dest="input_glob_pattern", required=True,
-                        help="glob of every part's shards, or of the parts' consolidated files (quote it)")
+                        help="glob of every part's shards ('*' or '{j}' for the part number), or of the parts' "
+                        "consolidated files (quote it)")
     parser.add_argument("--output-shard-name", "--output", dest="output_shard_name", required=True,
                         help="output file name: '{j}' the model part, '{i}' the shard")
     parser.add_argument("--num-output-parts", type=positive_int, required=True, metavar="Q",
