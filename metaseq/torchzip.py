@@ -21,6 +21,7 @@ from __future__ import annotations
 import codecs
 import collections
 import contextlib
+import copy
 import copyreg
 import errno
 import functools
@@ -210,6 +211,12 @@ class Opaque:
 
     def __setstate__(self, state: Any) -> None:
         self.state = state
+
+    def __deepcopy__(self, memo: dict) -> Opaque:  # `copy`'s default would rebuild it through __new__/__setstate__
+        obj = object.__new__(type(self))
+        memo[id(self)] = obj
+        obj.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return obj
 
     def append(self, item: Any) -> None:
         self.items.append(item)

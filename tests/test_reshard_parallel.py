@@ -1,6 +1,7 @@
 """Parallel and distributed resharding: --num-workers, torchrun ranks, `{j}` model parts, progress output."""
 from __future__ import annotations
 
+import argparse
 import io
 import os
 import signal
@@ -13,6 +14,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -294,6 +296,20 @@ def test_tensor_inside_an_object_is_carried(tmp_path: Path) -> None:
     got = load_checkpoint(tmp_path / "out" / "s1.pt", trust=True)
     assert torch.equal(got["extra_state"]["custom"].t, torch.ones(3))
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["s0.pt", "s1.pt"]  # no temp file left
+
+
+@pytest.mark.parametrize("flags", [["--num-output-shards", "3"], ["--unflatten-weights"]])
+def test_objects_in_the_optimizer_state_are_carried_unchanged(tmp_path: Path, flags: list[str]) -> None:
+    """param_groups and scalar state are copied per output: objects of other classes must survive the copy."""
+    shards = make_shards(make_model(), 2)
+    for shard in shards:
+        group = shard["last_optimizer_state"]["param_groups"][0]
+        group["lr"], group["custom"] = np.float64(0.5), argparse.Namespace(a=[1, 2])
+    write_shards(shards, tmp_path / "in")
+    assert main(["--input", _pattern(tmp_path / "in"), "--output", str(tmp_path / "out" / "s{i}.pt"), *flags,
+                 "--verify", "--quiet"]) == 0
+    group = load_checkpoint(tmp_path / "out" / "s0.pt", trust=True)["last_optimizer_state"]["param_groups"][0]
+    assert type(group["lr"]) is np.float64 and group["lr"] == 0.5 and group["custom"] == argparse.Namespace(a=[1, 2])
 
 
 @pytest.mark.parametrize("tool, extra", [(main, []), (reshard_model_parallel, ["--num-output-parts", "1"])],
