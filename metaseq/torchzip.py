@@ -369,6 +369,11 @@ class _Unpickler(pickle.Unpickler):
 
     def persistent_load(self, pid: Any) -> Storage:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], _StorageTag)):
+            if isinstance(pid, tuple) and len(pid) == 5 and isinstance(pid[1], type) and issubclass(pid[1], Opaque):
+                where = self.source if isinstance(self.source, str) else "<in memory>"
+                raise CheckpointLoadError(f"{where}: holds tensors of torch.{pid[1].qualname} (complex, uint16-64, "
+                                          "float8 or quantized dtypes), which resharding does not support; convert "
+                                          "them first, e.g. with .float()")
             raise pickle.UnpicklingError(f"persistent id {pid!r:.60}")
         _, tag, key, _location, numel = pid  # location (e.g. cuda:0) dropped: cpu, as map_location="cpu" does
         if key not in self.storages:
@@ -515,8 +520,8 @@ def to_torch(obj: Any, storages: dict[int, Any] | None = None) -> Any:
 
 
 _marker = functools.cache(opaque_class)  # one stand-in per global of the format, so the memo writes it once
-_PICKLED = {type(None), bool, int, float, str, bytes, tuple, list, dict, collections.OrderedDict,
-            type, type(codecs.encode)}  # classes and functions: Opaque and format globals, `_codecs.encode`
+_PICKLED = {type(None), bool, int, float, str, bytes, tuple, list, dict, collections.OrderedDict, set, frozenset,
+            bytearray, type, type(codecs.encode)}  # classes and functions: Opaque and format globals, `_codecs.encode`
 
 
 class _Pickler(pickle._Pickler):

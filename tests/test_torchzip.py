@@ -238,6 +238,26 @@ def test_objects_of_other_classes_are_carried_and_written_back_equal(tmp_path: P
     assert loaded["blob"] == original["blob"] and loaded["kinds"] == original["kinds"]
 
 
+@pytest.mark.parametrize("protocol", [4, 5])
+def test_sets_and_bytearrays_of_newer_pickle_protocols_are_written_back(tmp_path: Path, protocol: int) -> None:
+    """Protocols 4 and 5 give real set, frozenset and bytearray objects (2 gives calls of their classes)."""
+    original = {"kinds": {1, 2}, "frozen": frozenset({"a"}), "buffer": bytearray(b"\x00\xff"), "a": torch.zeros(2)}
+    torch.save(original, tmp_path / "in.pt", pickle_protocol=protocol)
+    _rewrite(tmp_path / "in.pt", tmp_path / "out.pt")
+    loaded = torch.load(tmp_path / "out.pt", weights_only=False)
+    assert {k: type(v) for k, v in loaded.items()} == {k: type(v) for k, v in original.items()}
+    assert [loaded[k] for k in ("kinds", "frozen", "buffer")] == [original[k] for k in ("kinds", "frozen", "buffer")]
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.uint16, torch.float8_e4m3fn])
+def test_dtypes_the_reader_lacks_are_named_not_called_corrupt(tmp_path: Path, dtype: torch.dtype) -> None:
+    torch.save({"a": torch.zeros(2, dtype=dtype)}, tmp_path / "in.pt")
+    with pytest.raises(CheckpointLoadError) as error:
+        read_checkpoint(str(tmp_path / "in.pt"))
+    assert str(error.value).startswith(f"{tmp_path / 'in.pt'}: holds tensors of torch.") and (
+        "which resharding does not support; convert them first" in str(error.value))
+
+
 def test_unknown_globals_are_never_resolved(tmp_path: Path) -> None:
     """An object whose unpickling would call os.system is kept as a record of that call, never made."""
     marker = tmp_path / "ran"
