@@ -365,7 +365,19 @@ class _Unpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _GLOBALS:
             return _GLOBALS[module, name]()
+        if (module, name) in (("__builtin__", "getattr"), ("builtins", "getattr")):  # a nested class, at protocol 2
+            return lambda parent, *rest: self._nested(parent, *rest) or self._opaque(module, name)(parent, *rest)
+        return self._opaque(module, name)
+
+    def _opaque(self, module: str, name: str) -> type[Opaque]:
         return self.opaque.setdefault((module, name), opaque_class(module, name))
+
+    def _nested(self, parent: Any, *rest: Any) -> type[Opaque] | None:
+        """`getattr(Outer, "Inner")` of a stand-in class: the stand-in of `Outer.Inner` (what protocol 2 pickles
+        for it); None for any other getattr."""
+        if not (isinstance(parent, type) and issubclass(parent, Opaque) and len(rest) == 1 and type(rest[0]) is str):
+            return None
+        return self._opaque(parent.module, f"{parent.qualname}.{rest[0]}")
 
     def persistent_load(self, pid: Any) -> Storage:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], _StorageTag)):
@@ -564,6 +576,9 @@ class _Pickler(pickle._Pickler):
         stand_in = _marker("torch", obj.name) if type(obj) is DType else obj  # a dtype is the global torch.<name>
         if not (isinstance(stand_in, type) and issubclass(stand_in, Opaque)):  # Opaque, or a format global (`_marker`)
             return super().save_global(obj, name)
+        if "." in stand_in.qualname:  # a nested class: as Python's pickler writes it at protocol 2
+            parent, attr = stand_in.qualname.rsplit(".", 1)
+            return self.save_reduce(getattr, (_marker(stand_in.module, parent), attr), obj=obj)
         self.write(f"c{stand_in.module}\n{stand_in.qualname}\n".encode())
         self.memoize(obj)
 

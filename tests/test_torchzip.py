@@ -214,6 +214,15 @@ def test_damaged_files_are_refused_not_misread(tmp_path: Path, make, words: str)
         read_structure(str(tmp_path / "in.pt"))
 
 
+class Outer:
+    class Inner:  # a nested class: pickled by qualified name
+        def __init__(self, v: int) -> None:
+            self.v = v
+
+        def __eq__(self, other: object) -> bool:
+            return type(other) is Outer.Inner and other.v == self.v
+
+
 class Point:
     """A class the reader does not know: carried as its pickle built it."""
 
@@ -247,6 +256,22 @@ def test_sets_and_bytearrays_of_newer_pickle_protocols_are_written_back(tmp_path
     loaded = torch.load(tmp_path / "out.pt", weights_only=False)
     assert {k: type(v) for k, v in loaded.items()} == {k: type(v) for k, v in original.items()}
     assert [loaded[k] for k in ("kinds", "frozen", "buffer")] == [original[k] for k in ("kinds", "frozen", "buffer")]
+
+
+@pytest.mark.parametrize("protocol", [2, 4])
+def test_objects_of_nested_classes_are_carried(tmp_path: Path, protocol: int) -> None:
+    """Protocol 2 pickles `Outer.Inner` as getattr(Outer, "Inner"), 4 by its dotted name; both are written back as
+    protocol 2 does (a dotted name there does not load)."""
+    original = {"obj": Outer.Inner(3), "cls": Outer.Inner, "a": torch.zeros(2)}
+    torch.save(original, tmp_path / "in.pt", pickle_protocol=protocol)
+    obj, unknown = read_checkpoint(str(tmp_path / "in.pt"))
+    assert "test_torchzip.Outer.Inner" in unknown and "__builtin__.getattr" not in unknown
+    _rewrite(tmp_path / "in.pt", tmp_path / "out.pt")
+    loaded = torch.load(tmp_path / "out.pt", weights_only=False)
+    assert loaded["obj"] == original["obj"] and loaded["cls"] is Outer.Inner
+    if protocol == 2:
+        with zipfile.ZipFile(tmp_path / "in.pt") as archive:
+            assert torchzip.pickle_bytes(obj) == archive.read("in/data.pkl")
 
 
 @pytest.mark.parametrize("dtype", [torch.complex64, torch.uint16, torch.float8_e4m3fn])
