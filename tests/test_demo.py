@@ -68,6 +68,9 @@ def test_demo_refuses_a_foreign_out_dir(tmp_path, capsys):
     assert demo.main(["--out-dir", str(tmp_path)]) == 2
     assert "was not made by this demo" in capsys.readouterr().err
     assert [p.name for p in tmp_path.iterdir()] == ["precious.txt"]
+    for out in (tmp_path / "precious.txt", tmp_path / "precious.txt" / "sub"):  # a file on the way: no traceback
+        assert demo.main(["--out-dir", str(out)]) == 2
+        assert f"error: --out-dir {out}: cannot make it a folder (Not a directory)" in capsys.readouterr().err
 
 
 def test_demo_clears_only_its_own_folders_on_rerun(tmp_path):

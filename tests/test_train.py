@@ -1,7 +1,10 @@
 """Foundation: real fairscale FSDP training on CPU/gloo writes FORMAT.md shards."""
 import logging
 import math
+import os
+import resource
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -236,15 +239,33 @@ def test_restore_files_that_cannot_go_on_are_refused_before_any_rank_starts(trai
         (["--data", "{T}/empty.txt"], "--data {T}/empty.txt: the file has no non-empty lines"),
         (["--save-dir", "{T}/empty.txt"], "--save-dir {T}/empty.txt is a file; give a folder for the checkpoints"),
         (["--save-dir", "{T}/empty.txt/run"], "--save-dir {T}/empty.txt/run: cannot make the folder (Not a directory)"),
+        (["--seed", str(2**47)], f"--seed={2**47}: give a seed from 0 to {2**46 - 1}"),  # the ranks' torch overflowed
+        (["--data", "{T}/pipe"], "--data {T}/pipe is a pipe or device, which every rank reads again; save it to a "),
     ],
 )
 def test_bad_flag_values_and_paths_are_one_line_errors(tmp_path, caplog, flags, culprit):
     (tmp_path / "empty.txt").write_text("\n \n")
+    os.mkfifo(tmp_path / "pipe")  # as `--data <(...)` or /dev/stdin: the check would read it up, the ranks nothing
     args = ["--data", str(CORPUS), "--save-dir", str(tmp_path / "run"), *[f.format(T=tmp_path) for f in flags]]
     with caplog.at_level(logging.ERROR, logger="metaseq.cli.train"):
         assert train.main(args) == 2
     assert culprit.format(T=tmp_path) in caplog.text and len(caplog.records) == 1
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.txt", "pipe"]
+
+
+def test_an_error_inside_a_rank_is_one_line(tmp_path):
+    """A save that fails on a full disk (here a file size limit) is the rank's error in one line, not a traceback."""
+    def limit_file_size() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))
+
+    cmd = [sys.executable, "-m", "metaseq.cli.train", "--data", str(CORPUS), "--save-dir", str(tmp_path / "run"),
+           "--world-size", "2", "--max-update", "1", "--decoder-layers", "2", "--decoder-embed-dim", "32",
+           "--decoder-attention-heads", "2", "--decoder-ffn-embed-dim", "64"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, preexec_fn=limit_file_size,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].endswith("failed: OSError: [Errno 27] File too large"), proc.stderr
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,7 @@
 
 Example (4 ranks on CPU/gloo, or one GPU per rank with NCCL when CUDA exists):
 
-    python -m metaseq.cli.train --data docs/demo_corpus.txt --save-dir ckpts \\
+    python -m metaseq.cli.train --data metaseq/assets/qa_corpus.txt --save-dir ckpts \\
         --world-size 4 --max-update 20 --save-interval-updates 10 --batch-size 8
 
 Every rank writes `checkpoint_{n}-model_part-0-shard{rank}.pt` and
@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from metaseq import checkpoint_utils
@@ -82,6 +83,7 @@ class TrainState:
 # A flag left out takes, with --restore-file, the restored run's value (so that a resumed run goes on as it was):
 # TrainConfig field -> where the checkpoint's cfg holds it (`checkpoint_cfg`). A restored model's sizes come from
 # its files.
+MAX_SEED = 2**46 - 1  # seed * 100003 + epoch must fit torch's 64-bit seed
 RESTORED = {"seed": ("common", "seed"), "lr": ("optimization", "lr"), "batch_size": ("optimization", "batch_size"),
             "seq_len": ("task", "seq_len")}
 MODEL_FLAGS = ("decoder_layers", "decoder_embed_dim", "decoder_attention_heads", "decoder_ffn_embed_dim",
@@ -179,6 +181,11 @@ def validate_config(cfg: TrainConfig) -> None:
         where = "the restored model's max_target_positions=" if cfg.restore_file else "--max-target-positions="
         raise ValueError(f"--seq-len={cfg.seq_len} exceeds {where}{cfg.model.max_target_positions}; "
                          "pass a smaller --seq-len")
+    if not 0 <= cfg.seed <= MAX_SEED:  # the data order seeds torch with seed * 100003 + epoch
+        raise ValueError(f"--seed={cfg.seed}: give a seed from 0 to {MAX_SEED}")
+    if os.path.exists(cfg.data) and not os.path.isfile(cfg.data) and not os.path.isdir(cfg.data):
+        raise ValueError(f"--data {cfg.data} is a pipe or device, which every rank reads again; save it to a file "
+                         "and pass that")
     try:
         if not load_lines(cfg.data):
             raise ValueError(f"--data {cfg.data}: the file has no non-empty lines; give one example per line")
@@ -385,7 +392,17 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, UserError) as e:
         logger.error("%s", e)
         return 2
-    launch(cfg)
+    try:
+        launch(cfg)
+    except mp.ProcessRaisedException as e:  # the rank's traceback, as text: its last line is the error
+        logger.error("rank %d failed: %s", e.error_index, str(e).strip().splitlines()[-1])
+        return 2
+    except mp.ProcessExitedException as e:  # killed (e.g. out of memory) or exited without a Python error
+        logger.error("rank %d %s", e.error_index, str(e).split(" ", 2)[-1])
+        return 2
+    except KeyboardInterrupt:
+        logger.error("interrupted; the last complete save is the one to --restore-file")
+        return 130
     return 0
 
 

@@ -94,12 +94,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def prepare_out_dir(out_dir: Path) -> None:
     """Create `out_dir`; clear the demo's own subfolders from an earlier run, never foreign files."""
-    if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / MARKER).exists():
-        raise ValueError(f"--out-dir {out_dir} exists, is not empty and was not made by this demo; pick another")
-    for name in SUBDIRS:
-        shutil.rmtree(out_dir / name, ignore_errors=True)
-    (out_dir / "logs").mkdir(parents=True, exist_ok=True)
-    (out_dir / MARKER).touch()
+    try:
+        if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / MARKER).exists():
+            raise ValueError(f"--out-dir {out_dir} exists, is not empty and was not made by this demo; pick another")
+        for name in SUBDIRS:
+            shutil.rmtree(out_dir / name, ignore_errors=True)
+        (out_dir / "logs").mkdir(parents=True, exist_ok=True)
+        (out_dir / MARKER).touch()
+    except OSError as e:  # a file on the way, no permission
+        raise ValueError(f"--out-dir {out_dir}: cannot make it a folder ({e.strerror or e}); pick another") from None
 
 
 def rel(path: Path | str) -> str:
@@ -346,6 +349,9 @@ def main(argv: list[str] | None = None) -> int:
     except DemoError as e:
         logger.error("error: %s", e)
         return 1
+    except KeyboardInterrupt:
+        logger.error("interrupted; what the demo wrote so far is under %s/", rel(cfg.out_dir))
+        return 130
     finally:
         for handler in handlers:
             logger.removeHandler(handler)
