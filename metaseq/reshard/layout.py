@@ -22,8 +22,8 @@ from metaseq.reshard.ranges import Span, shard_range
 from metaseq.reshard.schema import ShardMetadata, clean_key, is_tensor, join_key
 from metaseq.torchzip import DType, Size
 
-__all__ = ["MIRRORS", "Extra", "FlatParam", "ModelLayout", "ParamDict", "analyze_model", "global_params",
-           "output_cuts", "output_metadata"]
+__all__ = ["MIRRORS", "Extra", "FlatParam", "ModelLayout", "ParamDict", "analyze_model", "check_flat_dtype",
+           "global_params", "output_cuts", "output_metadata"]
 
 # extra_state dicts that hold state per flat parameter, laid out like `model` on every rank
 # (upstream metaseq's --store-ema): resharded with the model, not carried from rank 0.
@@ -244,6 +244,14 @@ def _is_unflattened(key_map: Mapping[str, str], model: Mapping[str, Any], flat_p
     return has_names and not (has_flat and all(_is_flat(model[key_map[fp.key]]) for fp in flat_params))
 
 
+def check_flat_dtype(dtype: DType, first: DType, what: str, other: str, flat_key: str) -> None:
+    """The tensors of one flat parameter (weights, or one optimizer moment) have one dtype: else they would be cast
+    silently into the first one's. `what` and `other` name the two tensors."""
+    if dtype != first:
+        raise ReshardError(f"{what} is {dtype!r} but {other} is {first!r}; FSDP's flat parameter '{flat_key}' has "
+                           "one dtype: save its tensors in one (e.g. .float() each)")
+
+
 def _is_flat(value: Any) -> bool:
     return is_tensor(value) and value.dim() == 1
 
@@ -307,11 +315,8 @@ def _param_dict(layout: ModelLayout, dicts: Sequence[Mapping[str, Any]], maps: S
                     bad = _BAD_MODEL if root == ("model",) else _BAD_MIRROR
                     raise ReshardError(bad.format(label=label, where=where, key=key, found=found, shape=list(shape)))
                 first = first or (tensor.dtype, label, f"{where}['{key}']")
-                if tensor.dtype != first[0]:  # it would be cast silently
-                    other = first[2] if first[1] == label else f"{first[1]}'s {first[2]}"
-                    raise ReshardError(f"{label}: {where}['{key}'] is {tensor.dtype!r} but {other} is {first[0]!r}; "
-                                       f"FSDP's flat parameter '{fp.key}' has one dtype: save its tensors in one "
-                                       "(e.g. .float() each)")
+                other = first[2] if first[1] == label else f"{first[1]}'s {first[2]}"
+                check_flat_dtype(tensor.dtype, first[0], f"{label}: {where}['{key}']", other, fp.key)
                 spans.append(Span(layout.first + r, (*root, key_map[key]), 0, length))
         sources.append(tuple(spans))
         # A flat parameter that holds no parameters has no elements: any tensor's dtype.

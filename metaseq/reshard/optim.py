@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 from metaseq.errors import ReshardError
-from metaseq.reshard.layout import FlatParam, ModelLayout, global_params
+from metaseq.reshard.layout import ModelLayout, check_flat_dtype, global_params
 from metaseq.reshard.ranges import OutTensor, Span, plan_range
 from metaseq.reshard.schema import OPTIM, clean_key, is_tensor
 from metaseq.torchzip import DType, Size, TensorRef
@@ -39,13 +39,6 @@ def _scalar_key(value: Any) -> Any:
     if is_tensor(value):
         return (repr(value.dtype), value.value() if value.numel() == 1 else tuple(value.shape))
     return tuple(map(_scalar_key, value)) if isinstance(value, list) else value
-
-
-def _check_dtype(value: Any, first: Any, what: str, whose: str, fp: FlatParam) -> None:
-    """A moment's tensors of one flat parameter have one dtype (else they would be cast silently)."""
-    if value.dtype != first.dtype:
-        raise ReshardError(f"{what} is {value.dtype!r} but {whose} is {first.dtype!r}; FSDP's flat parameter "
-                           f"'{fp.key}' has one dtype: save its state in one")
 
 
 @dataclass(frozen=True)
@@ -162,7 +155,8 @@ def _flat_entry(osds: Sequence[Mapping[str, Any]], model: ModelLayout, k: int, n
                                f"'{fp.key}' has {expected} elements there; the optimizer state does not match the "
                                "flat parameters")
     for value, label in zip(values[1:], labels[1:]):
-        _check_dtype(value, values[0], f"{label}: {OPTIM}.state[{k}]['{name}']", f"{labels[0]}'s", fp)
+        check_flat_dtype(value.dtype, values[0].dtype, f"{label}: {OPTIM}.state[{k}]['{name}']", f"{labels[0]}'s",
+                         fp.key)
     segments = [Span(model.first + r, (OPTIM, "state", k, name), 0, n) for r, n in enumerate(model.kept_lengths[k])]
     return StateEntry(name, segments=tuple(segments), dtype=values[0].dtype)
 
@@ -225,7 +219,8 @@ def _consolidated_entry(state: Mapping[int, Mapping[str, Any]], model: ModelLayo
             found = list(value.shape) if is_tensor(value) else type(value).__name__
             raise ReshardError(f"{model.labels[0]}: {OPTIM}.state[{g}]['{name}'] has shape {found} but parameter "
                                f"'{param_name}' has shape {list(shape)}")
-        _check_dtype(value, first, f"{model.labels[0]}: {OPTIM}.state[{g}]['{name}']", f"state[{ids[0]}]'s", fp)
+        check_flat_dtype(value.dtype, first.dtype, f"{model.labels[0]}: {OPTIM}.state[{g}]['{name}']",
+                         f"state[{ids[0]}]'s", fp.key)
     segments = [Span(model.first, (OPTIM, "state", g, name), 0, shape.numel()) for g, shape in zip(ids, fp.shapes)]
     return StateEntry(name, segments=tuple(segments), dtype=first.dtype)
 
