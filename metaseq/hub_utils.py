@@ -134,12 +134,11 @@ def load_inference_checkpoint(path: str, *, trust: bool = False) -> dict[str, An
                                  skip_optimizer_state=True, trust_checkpoint=trust, num_workers=1, quiet=True,
                                  num_output_parts=1 if parts else None)
         try:
-            plan = plan_model_parallel(options) if parts else plan_structures(read_inputs(files, trust=trust),
-                                                                                options, [out])
+            plan = (plan_model_parallel(options, flag="the glob of its parts") if parts else
+                    plan_structures(read_inputs(files, trust=trust), options, [out]))
             write_outputs(list_jobs([plan]))
         except (ReshardError, UserError) as e:  # e.g. an incomplete or inconsistent shard set
-            detail = str(e).replace("--input-glob-pattern", "the glob of its parts")  # the planner's flag
-            raise InferenceLoadError(f"--path {path}: cannot consolidate its files: {detail}") from None
+            raise InferenceLoadError(f"--path {path}: cannot consolidate its files: {e}") from None
         logger.info("consolidated %d file(s) into one", len(plan.inputs))
         return read_servable(out, trust=trust)
 

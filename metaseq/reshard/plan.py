@@ -123,10 +123,11 @@ def _check_nothing_left_beside(name: str, outputs: set[str]) -> None:
                            "them (from an earlier run?) and be read back with them; remove them or write elsewhere")
 
 
-def plan_model_parallel(options: ReshardOptions) -> Plan:
-    """P parts x N shards (or P consolidated files) -> `num_output_parts` x `num_output_shards` files."""
+def plan_model_parallel(options: ReshardOptions, *, flag: str = "--input-glob-pattern") -> Plan:
+    """P parts x N shards (or P consolidated files) -> `num_output_parts` x `num_output_shards` files; `flag` names
+    the input pattern in messages."""
     try:
-        groups = find_model_parts(options.input_glob_pattern.replace("{j}", "*"))  # '{j}': every part, as in reshard
+        groups = find_model_parts(options.input_glob_pattern.replace("{j}", "*"), flag=flag)  # '{j}': every part
     except UserError as e:
         raise ReshardError(str(e)) from None
     paths = [path for group in groups for path in group]
@@ -139,7 +140,7 @@ def plan_model_parallel(options: ReshardOptions) -> Plan:
     if isinstance(declared, int) and declared > len(groups):
         raise ReshardError(
             f"model_part-{len(groups)} is missing: cfg['common']['model_parallel_size'] of {groups[0][0]} says the "
-            f"model has {declared} parts but --input-glob-pattern matches {len(groups)}"
+            f"model has {declared} parts but {flag} matches {len(groups)}"
         )
     n = len(groups[0])  # files per part: every part has as many
     parts = [analyze_inputs(structures[q * n : (q + 1) * n], group, options, q * n) for q, group in enumerate(groups)]
