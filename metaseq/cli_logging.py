@@ -19,7 +19,7 @@ from metaseq.errors import UserError, one_line_error
 
 __all__ = [
     "OneLineErrorParser", "add_bool_flag", "cli_logging", "non_negative_float", "non_negative_int", "one_line_error",
-    "REMOVED", "parse_bool", "positive_float", "positive_int", "run_cli",
+    "REMOVED", "Terminated", "parse_bool", "positive_float", "positive_int", "run_cli", "sigterm_raises",
 ]
 
 TRUE_WORDS = {"true", "1", "yes", "y", "on"}
@@ -54,20 +54,26 @@ def cli_logging(level: int = logging.INFO) -> Iterator[logging.Logger]:
 REMOVED = "; any outputs of this run were removed"  # `run_cli`'s `stopped` for tools that write
 
 
-class _Terminated(SystemExit):
+class Terminated(SystemExit):
     """SIGTERM (e.g. a launcher stopping the other ranks) as an exception: `with` blocks and `except BaseException`
     clean-ups (temp files, partial outputs) run on the way out, as for Ctrl-C."""
 
 
 def _raise_terminated(signum: int, frame: object) -> None:
-    raise _Terminated(2)
+    raise Terminated(2)
 
 
-def _on_sigterm(handler: Any) -> Any:
-    """Install `handler` for SIGTERM where Python allows it (main thread); returns the previous one."""
-    if threading.current_thread() is not threading.main_thread():
-        return None
-    return signal.signal(signal.SIGTERM, handler)
+@contextlib.contextmanager
+def sigterm_raises() -> Iterator[None]:
+    """Inside the block, SIGTERM raises `Terminated` (in the main thread, where Python takes signals; elsewhere
+    this does nothing). Processes forked inside it inherit the handler: reset it there if they must die as usual."""
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_terminated) if main else None
+    try:
+        yield
+    finally:
+        if previous is not None:  # None also for a handler not set from Python: left as it is
+            signal.signal(signal.SIGTERM, previous)
 
 
 def run_cli(
@@ -83,8 +89,7 @@ def run_cli(
     only when the parser has `--quiet` and it is given) and return its exit status (None: 0),
     or 2 after reporting any error through `logger` as one line, without a traceback. SIGTERM
     (exit 2) and Ctrl-C (exit 130) are one line too, `stopped` appended (e.g. REMOVED)."""
-    with cli_logging(level) as package_logger:
-        previous_sigterm = _on_sigterm(_raise_terminated)
+    with cli_logging(level) as package_logger, sigterm_raises():
         try:
             args = parser.parse_args(argv)
             if getattr(args, "quiet", False):
@@ -94,15 +99,12 @@ def run_cli(
         except Exception as err:  # noqa: BLE001 -- any error: one line, no traceback
             logger.error("%s", one_line_error(err))
             return 2
-        except _Terminated:
+        except Terminated:
             logger.error("terminated by SIGTERM%s", stopped)
             return 2
         except KeyboardInterrupt:
             logger.error("interrupted%s", stopped)
             return 130
-        finally:
-            if previous_sigterm is not None:
-                _on_sigterm(previous_sigterm)
 
 
 def parse_bool(text: str) -> bool:

@@ -268,6 +268,31 @@ def test_an_error_inside_a_rank_is_one_line(tmp_path):
     assert proc.stderr.strip().splitlines()[-1].endswith("failed: OSError: [Errno 27] File too large"), proc.stderr
 
 
+def test_sigterm_stops_the_ranks_and_is_one_line(tmp_path):
+    """A launcher's SIGTERM to the training process: its ranks stop with it (they would otherwise train on alone),
+    its rendezvous folder goes, and it says so in one line with the save to resume from."""
+    (tmp_path / "tmp").mkdir()
+    cmd = [sys.executable, "-m", "metaseq.cli.train", "--data", str(CORPUS), "--save-dir", str(tmp_path / "run"),
+           "--world-size", "2", "--max-update", "100000", "--log-format", "json", "--decoder-layers", "1",
+           "--decoder-embed-dim", "16", "--decoder-attention-heads", "2", "--decoder-ffn-embed-dim", "32"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", TMPDIR=str(tmp_path / "tmp")))
+    try:
+        assert proc.stdout.readline().startswith('{"num_updates": 1,')  # the ranks are training
+        ranks = subprocess.run(["ps", "-o", "pid=", "--ppid", str(proc.pid)], capture_output=True, text=True).stdout
+        ranks = [int(pid) for pid in ranks.split()]
+        assert len(ranks) == 2
+        proc.send_signal(signal.SIGTERM)
+        err = proc.communicate(timeout=120)[1]
+    finally:
+        proc.kill()
+    assert proc.returncode == 2 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1].endswith("terminated by SIGTERM; the last complete save is the one to "
+                                                 "--restore-file"), err
+    assert not [pid for pid in ranks if os.path.exists(f"/proc/{pid}")]
+    assert not list((tmp_path / "tmp").glob("metaseq-rdzv-*"))
+
+
 @pytest.mark.parametrize(
     "flags, culprit",
     [

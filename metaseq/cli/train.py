@@ -22,6 +22,7 @@ import dataclasses
 import json
 import logging
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -34,7 +35,9 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from metaseq import checkpoint_utils
-from metaseq.cli_logging import OneLineErrorParser, non_negative_float, non_negative_int, positive_int
+from metaseq.cli_logging import (
+    OneLineErrorParser, Terminated, non_negative_float, non_negative_int, positive_int, sigterm_raises,
+)
 from metaseq.data import LineDataset, load_lines
 from metaseq.distributed.fsdp import init_distributed, start_ranks
 from metaseq.distributed.model_parallel import (
@@ -311,6 +314,7 @@ def configure_logging() -> None:
 
 def train_worker(rank: int, cfg: TrainConfig, init_method: str) -> None:
     configure_logging()  # a spawned rank (with CUDA) is a fresh interpreter
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a forked one has the launcher's (`sigterm_raises`)
     device = init_distributed(rank, cfg.world_size, init_method)
     layout = RankLayout(rank, cfg.world_size, cfg.model_parallel_size)
     try:
@@ -383,6 +387,9 @@ def make_save_dir(path: str) -> None:
         raise ValueError(f"--save-dir {path}: no permission to write there; give another folder")
 
 
+RESUME_HINT = "the last complete save is the one to --restore-file"
+
+
 def main(argv: list[str] | None = None) -> int:
     configure_logging()
     try:
@@ -393,15 +400,19 @@ def main(argv: list[str] | None = None) -> int:
         logger.error("%s", e)
         return 2
     try:
-        launch(cfg)
+        with sigterm_raises():  # the rendezvous folder is removed, and the ranks stop with this process
+            launch(cfg)
     except mp.ProcessRaisedException as e:  # the rank's traceback, as text: its last line is the error
         logger.error("rank %d failed: %s", e.error_index, str(e).strip().splitlines()[-1])
         return 2
     except mp.ProcessExitedException as e:  # killed (e.g. out of memory) or exited without a Python error
         logger.error("rank %d %s", e.error_index, str(e).split(" ", 2)[-1])
         return 2
+    except Terminated:
+        logger.error("terminated by SIGTERM; %s", RESUME_HINT)
+        return 2
     except KeyboardInterrupt:
-        logger.error("interrupted; the last complete save is the one to --restore-file")
+        logger.error("interrupted; %s", RESUME_HINT)
         return 130
     return 0
 

@@ -30,9 +30,21 @@ def start_ranks(fn: Callable[..., None], args: tuple[Any, ...], nprocs: int) -> 
     instead of importing it again (about 3 s of CPU per rank on a small machine), and sets
     its own thread count in `init_distributed`. With CUDA they are spawned, fresh
     interpreters, since a forked child cannot use CUDA once its parent has touched it.
+    Stopped while waiting (Ctrl-C, or SIGTERM as `cli_logging.sigterm_raises` raises it),
+    this process stops the ranks before it goes: they would train on without it.
     """
     method = "spawn" if torch.cuda.is_available() else "fork"
-    mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method=method)
+    context = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method=method)
+    try:
+        while not context.join():
+            pass
+    except BaseException:
+        for process in context.processes:
+            if process.is_alive():
+                process.terminate()
+        for process in context.processes:
+            process.join()
+        raise
 
 
 def init_distributed(rank: int, world_size: int, init_method: str) -> torch.device:
