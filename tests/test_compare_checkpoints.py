@@ -179,6 +179,21 @@ def test_tensor_difference(x: list[float], y: list[float], exact: bool, expected
     assert tensor_difference(torch.tensor(x), torch.tensor(y), exact_dtype=exact) == expected
 
 
+def test_integers_beyond_float64_and_empty_tensors_of_two_dtypes(tmp_path: Path, capsys) -> None:
+    """Integers are compared exactly (float64 has 53 bits: 2**53 + 1 reads as 2**53); empty tensors are equal
+    whatever their dtypes."""
+    def save(name: str, count: int, empty_dtype: torch.dtype) -> str:
+        torch.save({"model": {"count": torch.tensor([2**53 + count, -2**63]), "empty": torch.zeros(0, 3, dtype=empty_dtype)}},
+                   tmp_path / name)
+        return str(tmp_path / name)
+
+    rc, out = _compare(capsys, save("a.pt", 0, torch.float32), save("b.pt", 1, torch.float16))
+    assert rc == 1 and "differs: count: max abs diff 1\n" in out and "DIFFERENT: 1 difference(s)" in out, out
+    rc, out = _compare(capsys, save("a.pt", 0, torch.float32), save("b.pt", 0, torch.float16))
+    assert rc == 0 and "some tensors are float32 in A and float16 in B" in out, out
+    assert tensor_difference(torch.tensor([-2**63]), torch.tensor([2**63 - 1])) == "max abs diff 1.84467e+19"
+
+
 def test_python_m_entry_point(ckpts: Path, tmp_path: Path) -> None:
     _reshard(ckpts, tmp_path / "u.pt", "--unflatten-weights", "--skip-optimizer-state")
     cmd = [sys.executable, "-m", "metaseq.scripts.compare_checkpoints", _glob(ckpts), str(tmp_path / "u.pt"), "--quiet"]

@@ -28,7 +28,7 @@ from metaseq.torchzip import Opaque, pickle_bytes, to_torch
 __all__ = ["Comparison", "Difference", "TensorSet", "compare_tensor_sets", "describe_comparison", "open_tensor_set",
            "tensor_difference", "tensor_set_from_source"]
 
-CHUNK_ELEMENTS = 1 << 24  # differences are computed in float64 chunks of this many elements
+CHUNK_ELEMENTS = 1 << 24  # differences are computed in chunks of this many elements
 OptimKey = str  # "STATE of PARAMETER", e.g. "exp_avg of decoder.x.weight"
 
 
@@ -244,12 +244,20 @@ def tensor_difference(x: torch.Tensor, y: torch.Tensor, *, atol: float = 0.0, ex
 
 
 def max_abs_diff(x: torch.Tensor, y: torch.Tensor) -> float:
-    """max |x - y| in float64, chunk by chunk; equal infinities and NaN against NaN count as 0."""
+    """max |x - y| chunk by chunk, exactly in int64 for two integer tensors, else in float64 (where equal infinities
+    and NaN against NaN count as 0)."""
+    integers = not (x.dtype.is_floating_point or y.dtype.is_floating_point)  # float64 cannot tell 2**53 + 1 apart
     worst = torch.zeros((), dtype=torch.float64)
     for dx, dy in zip(x.reshape(-1).split(CHUNK_ELEMENTS), y.reshape(-1).split(CHUNK_ELEMENTS)):
-        dx, dy = dx.double(), dy.double()
-        same = (dx == dy) | (dx.isnan() & dy.isnan())
-        worst = torch.maximum(worst, torch.where(same, 0.0, (dx - dy).abs()).max())  # NaN propagates
+        if integers:
+            dx, dy = dx.long(), dy.long()
+            gap = torch.where(dx > dy, dx - dy, dy - dx).double()
+            gap += (gap < 0) * 2.0**64  # a gap beyond int64 wrapped around
+        else:
+            dx, dy = dx.double(), dy.double()
+            gap = torch.where((dx == dy) | (dx.isnan() & dy.isnan()), 0.0, (dx - dy).abs())
+        if gap.numel():
+            worst = torch.maximum(worst, gap.max())  # NaN propagates
     return worst.item()
 
 

@@ -147,6 +147,11 @@ def _flat_entry(osds: Sequence[Mapping[str, Any]], model: ModelLayout, k: int, n
             raise ReshardError(f"{label}: {OPTIM}.state[{k}] lacks '{name}', which {labels[0]} has")
     values = [osd["state"][k][name] for osd in osds]
     if not any(is_tensor(v) and v.dim() > 0 for v in values):
+        odd = next((r for r, v in enumerate(values) if _scalar_key(v) != _scalar_key(values[0])), 0) * (name == "step")
+        if odd:  # one rank's would be written for all
+            shown = [v.value() if is_tensor(v) and v.numel() == 1 else v for v in (values[odd], values[0])]
+            raise ReshardError(f"{labels[odd]}: {OPTIM}.state[{k}]['step'] is {shown[0]!r} but {labels[0]}'s is "
+                               f"{shown[1]!r}; FSDP ranks step together, so the shards come from different saves")
         return StateEntry(name, values=tuple(values))
     for value, label, expected in zip(values, labels, model.padded_lengths[k]):
         if not is_tensor(value) or value.dim() != 1 or value.numel() != expected:
