@@ -25,7 +25,7 @@ from metaseq.errors import UserError
 from metaseq.file_io import (atomic_torch_save, checkpoint_prefix, folder_hint, glob_files, is_glob, load_checkpoint,
                              natural_sort_key, shard_file_name, shard_glob)
 from metaseq.reshard.layout import analyze_model
-from metaseq.reshard.plan import check_same_save, read_inputs, saved_at
+from metaseq.reshard.plan import check_rank_order, check_same_save, read_inputs, saved_at
 from metaseq.reshard.schema import cfg_value, is_tensor
 from metaseq.torchzip import Opaque
 
@@ -174,6 +174,7 @@ def read_restore_files(restore_file: str, world_size: int, model_parallel_size: 
                 f"(--model-parallel-size {declared}, every part's files beside it), or merge them first with "
                 f"{_RESHARD_MP} --num-output-parts {parts}")
         layouts = [analyze_model(structures[j::parts], unique[j::parts]) for j in range(parts)]
+        check_rank_order(structures, unique)  # in rank order
     except UserError as e:
         raise RestoreError(f"--restore-file {restore_file}: {e}") from None
     try:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from metaseq.checkpoint_utils import RestoreError, read_restore_files
 from metaseq.cli import interactive_cli
 from metaseq.file_io import load_checkpoint
 from metaseq.hub_utils import InferenceLoadError, build_inference_model, load_inference_checkpoint
@@ -156,9 +157,11 @@ def _write_parts(folder: Path, parts: int, shards: int, *, heads: int = 2, full=
         local = tuple((path, tuple((n, tuple(params[f"{path}.{n}" if path else n].shape)) for n, _ in specs), ties)
                       for path, specs, ties in full)
         part = make_shards(SyntheticModel(params, model.buffers, local), shards)
-        for shard in part:
+        for i, shard in enumerate(part):
             shard["cfg"]["common"] = {"model_parallel_size": parts}
             shard["cfg"]["model"] = {"decoder_attention_heads": heads}
+            shard["cfg"]["distributed_training"].update(distributed_world_size=parts * shards,
+                                                        distributed_rank=i * parts + j)
         write_shards(part, folder, part=j)
     return model
 
@@ -169,6 +172,25 @@ def _fails(capsys, folder: Path, *flags: str, pattern: str = "*.pt") -> str:
     assert "Traceback" not in err and err.count("\n") == 1 and err.startswith("ERROR: "), err
     assert not (folder / "out").exists()
     return err
+
+
+def test_part_files_swapped_are_refused_by_every_reader(tmp_path, capsys):
+    """Files renamed out of the order of the ranks that saved them: each part's shards are in order, but part 0's
+    hold part 1's slices. Reshard and training restore refuse them."""
+    _write_parts(tmp_path, 2, 2)
+    for i in range(2):
+        names = [tmp_path / f"checkpoint_last-model_part-{j}-shard{i}.pt" for j in range(2)]
+        names[0].rename(tmp_path / "tmp")
+        names[1].rename(names[0])
+        (tmp_path / "tmp").rename(names[1])
+    words = ("checkpoint_last-model_part-0-shard0.pt was saved by rank 1 (its cfg's distributed_rank) but its name "
+             "says rank 0: the files were renamed or swapped")
+    assert words in _fails(capsys, tmp_path, "--num-output-parts", "1")
+    braces = ["--input", str(tmp_path / "checkpoint_last-model_part-{j}-shard*.pt"), "--output", str(tmp_path / "out"
+              / OUT), "--quiet"]
+    assert reshard_fsdp(braces) == 2 and words in capsys.readouterr().err
+    with pytest.raises(RestoreError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        read_restore_files(str(tmp_path / "checkpoint_last.pt"), 4, 2)
 
 
 @pytest.mark.parametrize("q, words", [

@@ -91,6 +91,35 @@ def test_duplicate_shard_index(tmp_path: Path, capsys) -> None:
     assert "shard index 2 appears twice" in line and SHARD.format("02") in line
 
 
+def _swap(folder: Path, a: int, b: int) -> None:
+    (folder / SHARD.format(a)).rename(folder / "tmp")
+    (folder / SHARD.format(b)).rename(folder / SHARD.format(a))
+    (folder / "tmp").rename(folder / SHARD.format(b))
+
+
+@pytest.mark.parametrize(
+    "spoil, words",
+    [
+        (lambda folder: _swap(folder, 0, 1),  # the same lengths: only their cfg tells
+         f"{SHARD.format(0)} was saved by rank 1 (its cfg's distributed_rank) but its name says rank 0: the files "
+         "were renamed or swapped; give them back the names training wrote"),
+        (lambda folder: _swap(folder, 2, 3),  # the padded shard before a full one: not FSDP's split
+         f"{SHARD.format(2)}: holds 6 elements of flat parameter 'flat_param_0' but FSDP gives shard 2 of 4 7: the "
+         "files are not in the order of the ranks that saved them (renamed?); each shardK must be rank K's file"),
+        (lambda folder: (folder / SHARD.format(2)).write_bytes((folder / SHARD.format(1)).read_bytes()),
+         f"{SHARD.format(2)} and FOLDER/{SHARD.format(1)} were both saved by rank 1 (their cfg's distributed_rank): one is a "
+         "copy of the other; use the files of one save"),
+    ],
+    ids=["swapped", "swapped-padding", "copied"],
+)
+def test_shard_files_not_in_the_order_of_their_ranks(tmp_path: Path, capsys, spoil: Callable, words: str) -> None:
+    """Read in another order, the shards would make a wrong model without any other error."""
+    pattern = _write(tmp_path)
+    spoil(tmp_path / "ckpts")
+    line = _fails(tmp_path, capsys, _args(pattern, tmp_path))
+    assert words.replace("FOLDER", str(tmp_path / "ckpts")) in line, line
+
+
 def test_file_without_shard_index_among_several(tmp_path: Path, capsys) -> None:
     _write(tmp_path)
     torch.save({"model": {}}, tmp_path / "ckpts" / "checkpoint_last-model_part-0-extra.pt")

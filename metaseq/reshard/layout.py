@@ -283,15 +283,20 @@ def _flat_lengths(models: Sequence[Mapping[str, Any]], metas: Sequence[ShardMeta
 
 
 def _check_consumed(fp: FlatParam, keeps: Sequence[int], labels: Sequence[str]) -> None:
-    """The unpadded lengths add up to the parameters'; else the error names the first input whose
-    length is not what FSDP's split gives it (if one is)."""
+    """The unpadded lengths are FSDP's split of the parameters' (`shard_range`); else the error names the first
+    input whose length is not what the split gives it (if one is)."""
     total = sum(keeps)
-    if total == fp.numel:
+    ranges = [shard_range(fp.numel, len(keeps), r) for r in range(len(keeps))]
+    odd = next((r for r, (n, (a, b, _)) in enumerate(zip(keeps, ranges)) if n != b - a), None)
+    if odd is None and total == fp.numel:
         return
+    if total == fp.numel:  # lengths of the split, but not at their ranks' places
+        raise ReshardError(f"{labels[odd]}: holds {keeps[odd]} elements of flat parameter '{fp.key}' but FSDP gives "
+                           f"shard {odd} of {len(keeps)} {ranges[odd][1] - ranges[odd][0]}: the files are not in the "
+                           "order of the ranks that saved them (renamed?); each shardK must be rank K's file")
     detail = (f"consumed {total} of {fp.numel} elements" if total < fp.numel else
               f"{total - fp.numel} elements left over after consuming all {fp.numel}")
-    ranges = [shard_range(fp.numel, len(keeps), r) for r in range(len(keeps))]
-    suspect = next((f"{label}: " for n, (a, b, _), label in zip(keeps, ranges, labels) if n != b - a), "")
+    suspect = "" if odd is None else f"{labels[odd]}: "
     raise ReshardError(f"{suspect}flat parameter '{fp.key}': the shards hold {total} elements after removing padding "
                        f"but shard_metadata numels add up to {fp.numel} ({detail}); are the shards complete and from "
                        "one checkpoint?")

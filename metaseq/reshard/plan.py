@@ -33,8 +33,8 @@ from metaseq.reshard.schema import OPTIM, cfg_value, is_tensor, resolve
 from metaseq.torchzip import Copy, DType, NeedsTorch, Opaque, Size, TensorRef, from_torch, read_checkpoint
 
 __all__ = ["InputFile", "OutFile", "Plan", "Source", "analyze_inputs", "assemble_output", "check_output_name",
-           "check_same_save", "describe_plan", "expand_model_parts", "output_paths", "output_tensors",
-           "plan_model_parallel", "plan_reshard", "plan_structures", "read_inputs", "saved_at", "summarize_plan",
+           "check_rank_order", "check_same_save", "describe_plan", "expand_model_parts", "output_paths",
+           "output_tensors", "plan_model_parallel", "plan_reshard", "plan_structures", "read_inputs", "saved_at", "summarize_plan",
            "tensor_ref", "whole_tensor"]
 
 logger = logging.getLogger(__name__)
@@ -96,7 +96,9 @@ def plan_reshard(options: ReshardOptions) -> list[Plan]:
         for inputs, name in parts:
             outputs = output_paths(name, options.num_output_shards, every_input, overwrite=options.overwrite)
             plans.append(plan_structures(read_inputs(inputs, trust=options.trust_checkpoint), options, outputs))
-        check_same_save([plan.inputs[0].structure for plan in plans], [plan.inputs[0].path for plan in plans])
+        firsts = [plan.inputs[0].structure for plan in plans], [plan.inputs[0].path for plan in plans]
+        check_same_save(*firsts)
+        check_rank_order(*firsts, len(plans))
     seen: dict[str, str] = {}  # names can alias one file ('o/{i}/../s.pt', links): by real path
     for path in (out.path for plan in plans for out in plan.outputs):
         real = os.path.realpath(path)
@@ -144,6 +146,7 @@ def plan_model_parallel(options: ReshardOptions, *, flag: str = "--input-glob-pa
         )
     n = len(groups[0])  # files per part: every part has as many
     parts = [analyze_inputs(structures[q * n : (q + 1) * n], group, options, q * n) for q, group in enumerate(groups)]
+    check_rank_order(structures, paths, len(groups))
     models, optims, num_parts = [p.model for p in parts], [p.optim for p in parts], options.num_output_parts
     shapes = global_shapes(models)
     check_parts_fit(shapes, num_parts, cfg_value(structures[0].get("cfg"), "model", "decoder_attention_heads"))
@@ -287,6 +290,7 @@ def analyze_inputs(structures: Sequence[Mapping[str, Any]], labels: Sequence[str
         raise ReshardError("no input shards")
     check_same_save(structures, labels)
     model = analyze_model(structures, labels, first)
+    check_rank_order(structures, labels)  # after the layout's checks, which say more where both fail
     optim = None if options.skip_optimizer_state else analyze_optimizer(structures, model)
     if optim is not None and options.unflatten_weights and optim.num_param_groups != 1:
         raise ReshardError(
@@ -319,6 +323,27 @@ def check_same_save(structures: Sequence[Mapping[str, Any]], labels: Sequence[st
         if theirs[1] != seed:
             raise ReshardError(f"{label} comes from a run with seed {theirs[1]} but {name} from seed {seed}: the "
                                "files mix two training runs; use one run's files")
+
+
+def check_rank_order(structures: Sequence[Mapping[str, Any]], labels: Sequence[str], parts: int = 1) -> None:
+    """Refuse files out of the order of the ranks that saved them, where the files say (cfg's distributed_rank, as
+    training writes it; resharded files keep input 0's): `structures` part by part, shard i of part j saved by
+    rank i * parts + j (fairscale's model-parallel layout)."""
+    ranks = [cfg_value(s.get("cfg"), "distributed_training", "distributed_rank") for s in structures]
+    if len(set(ranks)) == 1 or not all(type(r) is int for r in ranks):
+        return
+    first = {}
+    for rank, label in zip(ranks, labels):
+        if first.setdefault(rank, label) != label:
+            raise ReshardError(f"{label} and {first[rank]} were both saved by rank {rank} (their cfg's "
+                               "distributed_rank): one is a copy of the other; use the files of one save")
+    n = len(ranks) // parts
+    order = sorted(range(len(ranks)), key=lambda t: (t % n) * parts + t // n)  # by the rank each name says
+    for t, expected in zip(order, sorted(ranks)):
+        if ranks[t] != expected:
+            raise ReshardError(f"{labels[t]} was saved by rank {ranks[t]} (its cfg's distributed_rank) but its name "
+                               f"says rank {expected}: the files were renamed or swapped; give them back the names "
+                               "training wrote")
 
 
 def output_tensors(source: Source, options: ReshardOptions, rank: int) -> list[OutTensor]:
