@@ -302,6 +302,13 @@ def _osd(shard: dict[str, Any]) -> dict[str, Any]:
     return shard["last_optimizer_state"]
 
 
+def _optimizer_without_instance_1(shard: dict[str, Any]) -> None:
+    """As saved by an optimizer given only the other instances' parameters (instance 1 frozen)."""
+    osd = _osd(shard)
+    osd["state"] = {0: osd["state"][0], 1: osd["state"][2]}
+    osd["param_groups"][0]["params"] = [0, 1]
+
+
 @pytest.mark.parametrize(
     "spoil, words",
     [
@@ -314,6 +321,10 @@ def _osd(shard: dict[str, Any]) -> dict[str, Any]:
         (lambda s: s[0].__setitem__("last_optimizer_state", {"momentum": 1}), "pass --skip-optimizer-state"),
         (lambda s: [_osd(r).__setitem__("param_id_map", {0: 0}) for r in s],
          f"{SHARD.format(0)}: holds consolidated optimizer state (param_id_map) but is one of several shards"),
+        (lambda s: [_optimizer_without_instance_1(r) for r in s],  # read as flat parameters 0 and 1: wrong moments
+         f"{SHARD.format(0)}: last_optimizer_state.param_groups hold 2 parameters but shard_metadata lists 3 flat "
+         "parameters: the optimizer was given some of them (frozen ones left out?), and which is not saved; pass "
+         "--skip-optimizer-state"),
     ],
 )
 def test_optimizer_state_not_matching_flat_parameters(tmp_path, capsys, spoil: Spoil, words: str) -> None:

@@ -107,6 +107,11 @@ def analyze_optimizer(shards: Sequence[Mapping[str, Any]], model: ModelLayout) -
                            "such optimizer state is not supported: pass --skip-optimizer-state")
     if not consolidated:
         _check_state_order(shards[0]["model"], model)
+        given = sum(len(g.get("params") or ()) for g in osds[0]["param_groups"] if isinstance(g, Mapping))
+        if given != len(model.flat_params):  # state id k is then not the k-th flat parameter, nor is it recorded
+            raise ReshardError(f"{model.labels[0]}: {OPTIM}.param_groups hold {given} parameters but shard_metadata "
+                               f"lists {len(model.flat_params)} flat parameters: the optimizer was given some of them "
+                               "(frozen ones left out?), and which is not saved; pass --skip-optimizer-state")
     entries = _consolidated_entries(osds, model) if consolidated else _flat_entries(osds, model)
     return OptimLayout(consolidated, entries, len(osds[0]["param_groups"]))
 
