@@ -321,6 +321,8 @@ def _optimizer_without_instance_1(shard: dict[str, Any]) -> None:
         (lambda s: s[0].__setitem__("last_optimizer_state", {"momentum": 1}), "pass --skip-optimizer-state"),
         (lambda s: [_osd(r).__setitem__("param_id_map", {0: 0}) for r in s],
          f"{SHARD.format(0)}: holds consolidated optimizer state (param_id_map) but is one of several shards"),
+        (lambda s: _osd(s[1])["state"][2].__setitem__("step", torch.tensor(99.0)),  # rank 0's was written for all
+         f"{SHARD.format(1)}: last_optimizer_state.state[2]['step'] is 99.0 but "),
         (lambda s: [_optimizer_without_instance_1(r) for r in s],  # read as flat parameters 0 and 1: wrong moments
          f"{SHARD.format(0)}: last_optimizer_state.param_groups hold 2 parameters but shard_metadata lists 3 flat "
          "parameters: the optimizer was given some of them (frozen ones left out?), and which is not saved; pass "
