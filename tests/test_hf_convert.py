@@ -247,6 +247,11 @@ def test_output_name_and_existing_outputs_are_checked_first(tmp_path, capsys):
     code, err = _run_cli(convert_from_hf, ["--input", str(tmp_path / "hf"), "--output-shard-name",
                                            str(tmp_path / "p{j}-shard{i}.pt"), "--num-output-shards", "2"], capsys)
     assert code == 2 and "'{j}' (the model part) does not apply: the output is one model part, part 0; write 0" in err
+    weights = (tmp_path / "hf" / "model.safetensors").read_bytes()
+    code, err = _run_cli(convert_from_hf, ["--input", str(tmp_path / "hf"), "--output-shard-name",
+                                           str(tmp_path / "hf" / "model.safetensors"), "--overwrite"], capsys)
+    assert code == 2 and "model.safetensors is also an input; write to another name" in err, err
+    assert (tmp_path / "hf" / "model.safetensors").read_bytes() == weights
     (tmp_path / "back").mkdir()
     (tmp_path / "back" / "keep.txt").write_text("mine")
     code, err = _run_cli(convert_to_hf, ["--input", str(tmp_path / "x.pt"), "--output", str(tmp_path / "back")], capsys)

@@ -50,7 +50,7 @@ def convert_from_hf(
     Everything (folder, config, weights, output names) is checked before anything is written.
     """
     input_dir, output_shard_name = os.path.expanduser(input_dir), os.path.expanduser(output_shard_name)  # quoted '~'
-    outputs = _output_paths(output_shard_name, num_output_shards, unflatten_weights, overwrite)
+    outputs = _output_paths(output_shard_name, num_output_shards, unflatten_weights, overwrite, input_dir)
     hf_cfg, state = read_hf_folder(input_dir)
     ckpt = checkpoint_from_hf(hf_cfg, state, source=str(input_dir))
     with tempfile.TemporaryDirectory(prefix="metaseq-from-hf-") as tmp:
@@ -64,8 +64,9 @@ def convert_from_hf(
     return written
 
 
-def _output_paths(name: str, count: int, unflatten: bool, overwrite: bool) -> list[str]:
-    """The reshard tool's checks of the output options and names, before the (slow) conversion."""
+def _output_paths(name: str, count: int, unflatten: bool, overwrite: bool, input_dir: str | os.PathLike) -> list[str]:
+    """The reshard tool's checks of the output options and names, before the (slow) conversion; the files of
+    the Hugging Face folder are its inputs (never written over, --overwrite or not)."""
     if "{j}" in name:
         raise ConversionError(f"--output-shard-name {name}: '{{j}}' (the model part) does not apply: the output is "
                               "one model part, part 0; write 0 instead, e.g. "
@@ -73,7 +74,8 @@ def _output_paths(name: str, count: int, unflatten: bool, overwrite: bool) -> li
     try:
         ReshardOptions(output_shard_name=name, num_output_shards=count, unflatten_weights=unflatten)
         check_output_name(name, count)
-        return output_paths(name, count, [], overwrite=overwrite)
+        inputs = [str(p) for p in Path(input_dir).iterdir() if p.is_file()] if os.path.isdir(input_dir) else []
+        return output_paths(name, count, inputs, overwrite=overwrite)
     except ReshardError as e:
         raise ConversionError(str(e)) from None
 
