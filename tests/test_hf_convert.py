@@ -211,6 +211,11 @@ def _mix_dtypes(folder):
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
+def _int8_weights(folder):
+    state = {k: (v * 100).to(torch.int8) for k, v in hf_tensors(folder).items()}
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
 def _untie_head(folder):
     state = hf_tensors(folder)
     state["lm_head.weight"] = state["model.decoder.embed_tokens.weight"] + 1
@@ -222,6 +227,7 @@ def _untie_head(folder):
     (lambda f: (f / "config.json").write_text("[1, 2]"), "config.json: holds a JSON list, not an object"),
     (_mix_dtypes, "the weights mix dtypes: 26 float16 .*, 10 float32 .*layer_norm"),
     (lambda f: (f / "model.safetensors").unlink(), "no weights there"),
+    (_int8_weights, "the weights are int8, not floating point .*; save the model in float32, float16 or bfloat16"),
     (_bad_config("tie_word_embeddings", False), "tie_word_embeddings=False .*not tied"),
     (_untie_head, "'lm_head.weight' differs from the token embedding"),
     (_bad_config("activation_function", "gelu"), "activation_function='gelu'"),

@@ -181,6 +181,10 @@ def check_one_dtype(state: Mapping[str, torch.Tensor], *, source: str) -> None:
                            sorted(by_dtype.items(), key=lambda item: -len(item[1])))
         raise ConversionError(f"{source}: the weights mix dtypes: {counts}; weights keep their dtype, so save the "
                               "model in one first, e.g. model.to(torch.float16).save_pretrained(DIR)")
+    if by_dtype and not next(iter(by_dtype)).is_floating_point:  # quantized (int8) weights, or not weights at all
+        dtype = str(next(iter(by_dtype))).replace("torch.", "")
+        raise ConversionError(f"{source}: the weights are {dtype}, not floating point (quantized?); save the model "
+                              "in float32, float16 or bfloat16 first")
 
 
 def _cfg(config: ModelConfig, source: str) -> dict[str, Any]:
