@@ -42,7 +42,7 @@ from metaseq.reshard.plan import plan_model_parallel, plan_structures, read_inpu
 from metaseq.reshard.schema import clean_key
 from metaseq.reshard.write import list_jobs, write_outputs
 from metaseq.tokenizer import BOS, EOS, PAD, UNK, VOCAB_SIZE, encode
-from metaseq.torchzip import NeedsTorch, Opaque, read_checkpoint, to_torch
+from metaseq.torchzip import NeedsTorch, Opaque, TensorRef, read_checkpoint, to_torch
 
 __all__ = [
     "NEWLINE",
@@ -92,7 +92,7 @@ class GenerationConfig:
         if not 0 < self.top_p <= 1:
             raise ValueError(f"--top-p={self.top_p} must be in (0, 1]")
         if not -(2**63) <= self.seed < 2**64:
-            raise ValueError(f"--seed={self.seed} does not fit in 64 bits; give one below 2**64")
+            raise ValueError(f"--seed={self.seed} does not fit in 64 bits; give one from -2**63 to 2**64 - 1")
 
 
 def resolve_checkpoint_files(path: str) -> tuple[list[str], bool]:
@@ -164,7 +164,8 @@ def read_servable(path: str, *, trust: bool = False) -> dict[str, Any]:
     except NeedsTorch:
         return load_checkpoint(path, trust=trust)
     if not isinstance(structure, dict):
-        raise InferenceLoadError(f"{path}: expected a checkpoint dict, found {type(structure).__name__}")
+        kind = "Tensor" if isinstance(structure, TensorRef) else type(structure).__name__
+        raise InferenceLoadError(f"{path}: expected a checkpoint dict, found {kind}")
     return {key: to_torch(plain_config(structure[key])) for key in ("model", "cfg") if key in structure}
 
 
@@ -262,6 +263,8 @@ def unflatten_command(source: str) -> str:
     """The reshard command that turns `source` (a flat file or one shard of a set) into a servable file."""
     inputs = re.sub(r"-shard\d+\.pt$", "-shard*.pt", source)
     output = os.path.join(os.path.dirname(source) or ".", "reshard-model_part-0.pt")
+    if os.path.abspath(output) == os.path.abspath(source):  # a flat file of that name: not over itself
+        output = os.path.join(os.path.dirname(source) or ".", "unflattened", "reshard-model_part-0.pt")
     return (
         f"python -m metaseq.scripts.reshard_fsdp --input-glob-pattern '{inputs}' --output-shard-name '{output}' "
         "--num-output-shards 1 --unflatten-weights True --skip-optimizer-state True"

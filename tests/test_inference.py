@@ -1,6 +1,10 @@
 """Inference on resharded output: plain-model loading, FSDP parity, decoding rules."""
 import dataclasses
+import re
+import shlex
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -130,15 +134,18 @@ def test_a_folder_named_with_brackets_is_a_name_not_a_pattern(resharded, tmp_pat
 
 
 def test_flat_consolidated_file_error_lists_keys_and_suggests_unflatten(resharded, tmp_path):
+    """The suggested command works, also for a flat file of the name it would write."""
     dirs, _ = resharded
-    flat = tmp_path / "flat.pt"
+    flat = tmp_path / "reshard-model_part-0.pt"
     reshard_fsdp_checkpoints(_glob(dirs[W]), str(flat), skip_optimizer_state=True)
     with pytest.raises(InferenceLoadError) as info:
         GeneratorInterface.from_checkpoint(str(flat))
     msg = str(info.value)
     assert "still flat" in msg and "flat_param_0" in msg and "decoder.embed_tokens.weight" in msg
-    assert "python -m metaseq.scripts.reshard_fsdp" in msg and "--unflatten-weights True" in msg
     assert "\n" not in msg
+    command = shlex.split(re.search(r"python -m metaseq.scripts.reshard_fsdp .*--skip-optimizer-state True", msg)[0])
+    subprocess.run([sys.executable, *command[1:]], check=True, capture_output=True)
+    assert GeneratorInterface.from_checkpoint(str(tmp_path / "unflattened" / flat.name)).model is not None
 
 
 @pytest.mark.parametrize("change", ["missing", "unexpected"])

@@ -8,6 +8,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from metaseq.cli import interactive_cli
 from metaseq.file_io import atomic_torch_save
@@ -100,10 +101,14 @@ def test_flat_checkpoint_gives_one_line_error_not_traceback(memorized, tmp_path)
         (["--sampling", "--temperature", "nan"], "--temperature=nan must be a finite number > 0"),
         (["--sampling", "--temperature", "inf"], "--temperature=inf must be a finite number > 0"),
         (["--temperature", "0"], "it applies only with --sampling"),
-        (["--sampling", "--seed", str(2**64)], f"--seed={2**64} does not fit in 64 bits"),
+        (["--sampling", "--seed", str(2**64)], f"--seed={2**64} does not fit in 64 bits; give one from -2**63 to"),
+        (["--sampling", "--seed", str(-2**63 - 1)], "does not fit in 64 bits; give one from -2**63 to 2**64 - 1"),
+        (["--path", "TMP/tensor.pt"], "TMP/tensor.pt: expected a checkpoint dict, found Tensor"),
     ],
 )
-def test_bad_path_or_flag_is_one_line_error(memorized, args, culprit, capsys):
+def test_bad_path_or_flag_is_one_line_error(memorized, args, culprit, capsys, tmp_path):
+    atomic_torch_save(torch.zeros(3), tmp_path / "tensor.pt")
+    args, culprit = [a.replace("TMP", str(tmp_path)) for a in args], culprit.replace("TMP", str(tmp_path))
     args = args if "--path" in args else ["--path", str(memorized[1]), *args]
     assert interactive_cli.main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -9,7 +9,8 @@ On a terminal it shows a `> ` prompt; piped, it answers every input line and exi
 `DIR/checkpoint_last.pt`), consolidated in memory. A real OPT checkpoint (upstream
 metaseq's cfg) also needs its GPT-2 BPE: `--vocab-filename gpt2-vocab.json
 --merges-filename gpt2-merges.txt`, or `--hf-tokenizer DIR`. Answers go to stdout, one line
-each (empty for a prompt that failed); logs and errors go to stderr. Ctrl-D (EOF) exits; empty lines are
+each (empty for a prompt that failed; with --no-stop-at-newline an answer keeps its newlines, so it
+may span lines); logs and errors go to stderr. Ctrl-D (EOF) exits; empty lines are
 ignored.
 """
 from __future__ import annotations
@@ -47,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=d.seed, help="with --sampling")
     p.set_defaults(stop_at_newline=True)  # the flag's own default is suppressed: help would say "(default: True)"
     p.add_argument("--no-stop-at-newline", dest="stop_at_newline", action="store_false", default=argparse.SUPPRESS,
-                   help="continue past newlines (an answer stops at the first newline by default); stop only at EOS")
+                   help="continue past newlines (an answer stops at the first newline by default); stop only at EOS, "
+                   "so an answer may span lines")
     p.add_argument("--trust-checkpoint", action="store_true", help="let torch.load run the classes of legacy-format (non-zip) files; trusted files only")
     p.add_argument("--vocab-filename", default=None, type=os.path.expanduser, help="real OPT: metaseq's GPT-2 BPE vocabulary (gpt2-vocab.json)")
     p.add_argument("--merges-filename", default=None, type=os.path.expanduser, help="real OPT: the GPT-2 BPE merges (gpt2-merges.txt)")
@@ -87,7 +89,8 @@ def read_prompts(stream: TextIO, *, interactive: bool) -> Iterator[str]:
 
 def answer_prompts(gen: GeneratorInterface, cfg: GenerationConfig, prompts: Iterator[str], out: TextIO) -> int:
     """Write one stripped completion per prompt (an empty line for a prompt that failed, so that answers stay on the
-    lines of their prompts); returns how many prompts failed."""
+    lines of their prompts, unless a completion holds newlines: see --no-stop-at-newline); returns how many prompts
+    failed."""
     failures = 0
     for number, prompt in enumerate(prompts, start=1):
         try:
