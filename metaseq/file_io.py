@@ -154,7 +154,8 @@ def _order_shards(paths: Sequence[str], flag: str) -> list[str]:
     seen: dict[int, str] = {}
     for path, index in zip(paths, _shard_indices(paths) if len(paths) > 1 else [0]):
         if index in seen:
-            raise UserError(f"shard index {index} appears twice: {seen[index]} and {path}")
+            raise UserError(f"shard index {index} appears twice: {seen[index]} and {path}; {flag} matches two "
+                            "checkpoints (or a copy): make it match one")
         seen[index] = path
     missing = sorted(set(range(len(paths))) - set(seen))
     if missing:

@@ -89,6 +89,7 @@ def test_duplicate_shard_index(tmp_path: Path, capsys) -> None:
     (tmp_path / "ckpts" / SHARD.format("02")).write_bytes((tmp_path / "ckpts" / SHARD.format(2)).read_bytes())
     line = _fails(tmp_path, capsys, _args(pattern, tmp_path))
     assert "shard index 2 appears twice" in line and SHARD.format("02") in line
+    assert line.endswith("; --input-glob-pattern matches two checkpoints (or a copy): make it match one")
 
 
 def _swap(folder: Path, a: int, b: int) -> None:
@@ -323,6 +324,10 @@ def _optimizer_without_instance_1(shard: dict[str, Any]) -> None:
          f"{SHARD.format(0)}: holds consolidated optimizer state (param_id_map) but is one of several shards"),
         (lambda s: _osd(s[1])["state"][2].__setitem__("step", torch.tensor(99.0)),  # rank 0's was written for all
          f"{SHARD.format(1)}: last_optimizer_state.state[2]['step'] is 99.0 but "),
+        (lambda s: s[2].__setitem__("last_optimizer_state", None),
+         f"{SHARD.format(2)}: no last_optimizer_state, which "),
+        (lambda s: s[0].pop("last_optimizer_state"),  # not read as a set without optimizer state
+         f"{SHARD.format(0)}: no last_optimizer_state, which "),
         (lambda s: [_optimizer_without_instance_1(r) for r in s],  # read as flat parameters 0 and 1: wrong moments
          f"{SHARD.format(0)}: last_optimizer_state.param_groups hold 2 parameters but shard_metadata lists 3 flat "
          "parameters: the optimizer was given some of them (frozen ones left out?), and which is not saved; pass "

@@ -94,9 +94,12 @@ class OptimLayout:
 def analyze_optimizer(shards: Sequence[Mapping[str, Any]], model: ModelLayout) -> OptimLayout | None:
     """Check every input's optimizer state against the flat parameters; None when there is none."""
     osds = [s.get(OPTIM) for s in shards]
-    if osds[0] is None:
+    having = next((label for osd, label in zip(osds, model.labels) if osd is not None), None)
+    if having is None:
         return None
     for osd, label in zip(osds, model.labels):
+        if osd is None:
+            raise ReshardError(f"{label}: no {OPTIM}, which {having} has; pass --skip-optimizer-state to drop it")
         if not isinstance(osd, Mapping) or not {"state", "param_groups"} <= set(osd):
             raise ReshardError(f"{label}: {OPTIM} has no 'state' and 'param_groups' (not a torch optimizer "
                                "state_dict); pass --skip-optimizer-state to drop it")
