@@ -168,6 +168,7 @@ def test_trained_model_exported_to_hf_gives_hf_our_logits(exported):
     model, info = OPTForCausalLM.from_pretrained(str(out), output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == [2, *ByteTokenizer.newline_ids]
+    assert json.loads((out / "config.json").read_text())["bos_token_id"] == 0
     tok = AutoTokenizer.from_pretrained(str(out))
     ids = tok(["what is the meaning of life? what do cats chase? and why reshard?"], return_tensors="pt")["input_ids"]
     with torch.no_grad():
@@ -409,7 +410,10 @@ def test_real_opt_file_exports_with_kvq_split_and_equal_logits(real_opt, tmp_pat
     assert convert_to_hf.main(["--input", path, "--output", str(tmp_path / "hf"), "-q"]) == 0
     state = hf_tensors(tmp_path / "hf")
     # 14 is the byte tokenizer's newline, not the GPT-2 BPE's: only EOS stops
-    assert json.loads((tmp_path / "hf" / "generation_config.json").read_text())["eos_token_id"] == [2]
+    generation = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == [2]
+    # OPT's BPE: prompts start with </s>, as in Hugging Face's OPT configs (the byte tokenizer's start with <s>, 0)
+    assert generation["bos_token_id"] == json.loads((tmp_path / "hf" / "config.json").read_text())["bos_token_id"] == 2
     assert state["model.decoder.layers.1.self_attn.q_proj.weight"].dtype == torch.float16
     assert torch.equal(state["model.decoder.layers.1.self_attn.q_proj.weight"].float(),
                        hf_model.model.decoder.layers[1].self_attn.q_proj.weight)

@@ -28,8 +28,9 @@ _REQUIRED = [
 ]
 
 
-def hf_config(config: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
-    """OPTForCausalLM's config.json for `config` (OPT-exact); integers stay JSON integers."""
+def hf_config(config: ModelConfig, dtype: torch.dtype, *, bos: int = BOS) -> dict[str, Any]:
+    """OPTForCausalLM's config.json for `config` (OPT-exact); integers stay JSON integers. `bos`: the token prompts
+    start with (the byte tokenizer's BOS; EOS `</s>` for OPT's GPT-2 BPE, as Hugging Face's OPT has it)."""
     return {
         "architectures": ["OPTForCausalLM"],
         "model_type": "opt",
@@ -46,7 +47,7 @@ def hf_config(config: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
         "enable_bias": True,
         "layer_norm_elementwise_affine": True,
         "tie_word_embeddings": True,
-        "bos_token_id": BOS,
+        "bos_token_id": bos,
         "pad_token_id": PAD,
         "eos_token_id": EOS,
         "dropout": 0.0,
@@ -58,7 +59,7 @@ def hf_config(config: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
     }
 
 
-def hf_generation_config(config: ModelConfig, *, newline_ids: Collection[int] = ()) -> dict[str, Any]:
+def hf_generation_config(config: ModelConfig, *, newline_ids: Collection[int] = (), bos: int = BOS) -> dict[str, Any]:
     """Greedy decoding as `metaseq.cli.interactive_cli` does it by default.
 
     BOS, PAD and UNK are never generated; EOS and the tokenizer's `newline_ids` stop (pass
@@ -70,7 +71,7 @@ def hf_generation_config(config: ModelConfig, *, newline_ids: Collection[int] = 
     return {
         "do_sample": False,
         "num_beams": 1,
-        "bos_token_id": BOS,
+        "bos_token_id": bos,
         "pad_token_id": PAD,
         "eos_token_id": [EOS, *sorted(newline_ids)],
         "suppress_tokens": [BOS, PAD, UNK],

@@ -30,7 +30,7 @@ from metaseq.hf.variants import (FUSED_QKV_ORDER_OURS, is_opt_exact, is_upstream
                                  model_config_from_cfg)
 from metaseq.models.transformer_lm import ModelConfig
 from metaseq.reshard import reshard_fsdp_checkpoints
-from metaseq.tokenizer import VOCAB_SIZE
+from metaseq.tokenizer import BOS, EOS, VOCAB_SIZE
 
 __all__ = ["convert_to_hf", "hf_tensors_from_checkpoint", "input_files", "write_hf_folder"]
 
@@ -142,11 +142,12 @@ def write_hf_folder(output_dir: str | os.PathLike, config: ModelConfig, tensors:
                     overwrite: bool = False, with_tokenizer: bool = True) -> Path:
     """config.json, generation_config.json, model.safetensors (+ the byte tokenizer's files), atomically.
 
-    Generation stops at a newline only `with_tokenizer` (the byte tokenizer, whose newline id is known)."""
-    newline_ids = ByteTokenizer.newline_ids if with_tokenizer else ()
+    Generation stops at a newline only `with_tokenizer` (the byte tokenizer, whose newline id is known); without
+    it prompts start with `</s>`, as in OPT's GPT-2 BPE."""
+    newline_ids, bos = (ByteTokenizer.newline_ids, BOS) if with_tokenizer else ((), EOS)  # OPT's BPE starts with </s>
     files = {
-        "config.json": _json(hf_config(config, _dtype(tensors))),
-        "generation_config.json": _json(hf_generation_config(config, newline_ids=newline_ids)),
+        "config.json": _json(hf_config(config, _dtype(tensors), bos=bos)),
+        "generation_config.json": _json(hf_generation_config(config, newline_ids=newline_ids, bos=bos)),
     }
     if with_tokenizer:
         files.update(byte_tokenizer_files(config.max_target_positions))
