@@ -209,3 +209,17 @@ def test_objects_of_other_classes_are_carried_without_running_them(tmp_path: Pat
     got = load_checkpoint(tmp_path / "o2.pt", trust=True)
     assert LOADS == [7] and got["extra_state"]["custom"].value == 7
     assert got["cfg"]["model"] == argparse.Namespace(decoder_layers=2, dropout=0.1)
+
+
+def test_a_nan_step_on_every_rank_is_one_value_not_a_mismatch(tmp_path: Path) -> None:
+    """Ranks' steps are compared (one rank's is written for all); NaN, equal to nothing, still equals itself here."""
+    shards = make_shards(make_model(), 2)
+    for shard in shards:
+        for state in shard["last_optimizer_state"]["state"].values():
+            state["step"] = float("nan")
+    write_shards(shards, tmp_path / "in")
+    out = tmp_path / "out" / "checkpoint_last-model_part-0-shard{i}.pt"
+    assert main(["--input", str(tmp_path / "in" / "*.pt"), "--output", str(out), "--num-output-shards", "3",
+                 "--quiet"]) == 0
+    steps = load_checkpoint(str(out).format(i=2))["last_optimizer_state"]["state"][0]["step"]
+    assert steps != steps

@@ -35,9 +35,11 @@ def _copy_scalar(value: Any) -> Any:
 
 
 def _scalar_key(value: Any) -> Any:
-    """`value` (a number, a one-element tensor, a list of them) comparable with ==."""
+    """`value` (a number, a one-element tensor, a list of them) comparable with == (NaN equal to NaN)."""
     if is_tensor(value):
-        return (repr(value.dtype), value.value() if value.numel() == 1 else tuple(value.shape))
+        return (repr(value.dtype), _scalar_key(value.value()) if value.numel() == 1 else tuple(value.shape))
+    if isinstance(value, float) and value != value:
+        return "nan"
     return tuple(map(_scalar_key, value)) if isinstance(value, list) else value
 
 
