@@ -183,8 +183,8 @@ def test_integers_beyond_float64_and_empty_tensors_of_two_dtypes(tmp_path: Path,
     """Integers are compared exactly (float64 has 53 bits: 2**53 + 1 reads as 2**53); empty tensors are equal
     whatever their dtypes."""
     def save(name: str, count: int, empty_dtype: torch.dtype) -> str:
-        torch.save({"model": {"count": torch.tensor([2**53 + count, -2**63]), "empty": torch.zeros(0, 3, dtype=empty_dtype)}},
-                   tmp_path / name)
+        model = {"count": torch.tensor([2**53 + count, -2**63]), "empty": torch.zeros(0, 3, dtype=empty_dtype)}
+        torch.save({"model": model}, tmp_path / name)
         return str(tmp_path / name)
 
     rc, out = _compare(capsys, save("a.pt", 0, torch.float32), save("b.pt", 1, torch.float16))

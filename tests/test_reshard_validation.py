@@ -108,8 +108,8 @@ def _swap(folder: Path, a: int, b: int) -> None:
          f"{SHARD.format(2)}: holds 6 elements of flat parameter 'flat_param_0' but FSDP gives shard 2 of 4 7: the "
          "files are not in the order of the ranks that saved them (renamed?); each shardK must be rank K's file"),
         (lambda folder: (folder / SHARD.format(2)).write_bytes((folder / SHARD.format(1)).read_bytes()),
-         f"{SHARD.format(2)} and FOLDER/{SHARD.format(1)} were both saved by rank 1 (their cfg's distributed_rank): one is a "
-         "copy of the other; use the files of one save"),
+         f"{SHARD.format(2)} and FOLDER/{SHARD.format(1)} were both saved by rank 1 (their cfg's distributed_rank): "
+         "one is a copy of the other; use the files of one save"),
     ],
     ids=["swapped", "swapped-padding", "copied"],
 )

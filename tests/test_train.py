@@ -275,8 +275,8 @@ def test_sigterm_stops_the_ranks_and_is_one_line(tmp_path):
     cmd = [sys.executable, "-m", "metaseq.cli.train", "--data", str(CORPUS), "--save-dir", str(tmp_path / "run"),
            "--world-size", "2", "--max-update", "100000", "--log-format", "json", "--decoder-layers", "1",
            "--decoder-embed-dim", "16", "--decoder-attention-heads", "2", "--decoder-ffn-embed-dim", "32"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", TMPDIR=str(tmp_path / "tmp")))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", TMPDIR=str(tmp_path / "tmp"))
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         assert proc.stdout.readline().startswith('{"num_updates": 1,')  # the ranks are training
         ranks = subprocess.run(["ps", "-o", "pid=", "--ppid", str(proc.pid)], capture_output=True, text=True).stdout

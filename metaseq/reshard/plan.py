@@ -34,8 +34,8 @@ from metaseq.torchzip import Copy, DType, NeedsTorch, Opaque, Size, TensorRef, f
 
 __all__ = ["InputFile", "OutFile", "Plan", "Source", "analyze_inputs", "assemble_output", "check_output_name",
            "check_rank_order", "check_same_save", "describe_plan", "expand_model_parts", "output_paths",
-           "output_tensors", "plan_model_parallel", "plan_reshard", "plan_structures", "read_inputs", "saved_at", "summarize_plan",
-           "tensor_ref", "whole_tensor"]
+           "output_tensors", "plan_model_parallel", "plan_reshard", "plan_structures", "read_inputs", "saved_at",
+           "summarize_plan", "tensor_ref", "whole_tensor"]
 
 logger = logging.getLogger(__name__)
 
