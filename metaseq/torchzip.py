@@ -281,8 +281,15 @@ def zip_records(source: str | bytes) -> dict[str, Record]:
                     raise NeedsTorch(f"record {info.filename} is compressed or outside {prefix}")
                 f.seek(info.header_offset)
                 signature, name_len, extra_len = struct.unpack("<4s22xHH", f.read(30))  # ..., name and extra lengths
-                if signature != b"PK\x03\x04":
+                if signature != b"PK\x03\x04" or f.read(name_len) != info.orig_filename.encode():
                     raise zipfile.BadZipFile(f"bad local header of {info.filename}")
+                extra, pos = f.read(extra_len), 0
+                while pos + 4 <= len(extra):  # (id, size) fields that fill it exactly: else its length is damaged
+                    pos += 4 + struct.unpack_from("<HH", extra, pos)[1]
+                if pos != extra_len:
+                    raise zipfile.BadZipFile(f"bad local header of {info.filename}")
+                if info.filename[len(prefix):] in records:  # torch would read one of them, this reader another
+                    raise zipfile.BadZipFile(f"record {info.filename} appears twice")
                 start = info.header_offset + 30 + name_len + extra_len
                 if start + info.file_size > file_size:
                     raise zipfile.BadZipFile(f"record {info.filename} runs past the end of the file")

@@ -212,3 +212,27 @@ def test_tied_copy_stored_in_an_unflattened_file_is_compared_on_its_own(ckpts: P
     assert [line for line in out.splitlines() if line.startswith("differs")] == [
         "differs: decoder.output_projection.weight: max abs diff 2"
     ]
+
+
+class Schedule:
+    """A class the reader does not know: carried, compared by its pickle."""
+
+    def __init__(self, warmup: int) -> None:
+        self.warmup = warmup
+
+
+def test_a_checkpoint_is_the_same_as_itself_whatever_its_optimizer_settings_hold(ckpts: Path, tmp_path: Path,
+                                                                                 capsys) -> None:
+    """NaN settings, carried objects, globals and dicts keyed by frozensets equal themselves."""
+    _reshard(ckpts, tmp_path / "u.pt", "--unflatten-weights")
+    ckpt = torch.load(tmp_path / "u.pt", weights_only=False)
+    for group in ckpt["last_optimizer_state"]["param_groups"]:
+        group.update(nan=float("nan"), kind=int, schedule=Schedule(10), by_set={frozenset({1}): 2})
+    torch.save(ckpt, tmp_path / "odd.pt")
+    rc, out = _compare(capsys, str(tmp_path / "odd.pt"), str(tmp_path / "odd.pt"))
+    assert rc == 0 and out.strip().endswith("SAME: the checkpoints hold the same model and optimizer state"), out
+    for group in ckpt["last_optimizer_state"]["param_groups"]:
+        group.update(schedule=Schedule(11))
+    torch.save(ckpt, tmp_path / "other.pt")
+    rc, out = _compare(capsys, str(tmp_path / "odd.pt"), str(tmp_path / "other.pt"))
+    assert rc == 1 and "differs: optimizer " in out, out

@@ -353,3 +353,43 @@ def test_records_that_point_outside_the_file_are_refused(tmp_path: Path) -> None
     (tmp_path / "in.pt").write_bytes(bytes(data))
     with pytest.raises(CheckpointLoadError, match="past the end"):
         read_structure(str(tmp_path / "in.pt"))
+
+
+def _local_header_offset(path: Path, name: str) -> int:
+    with zipfile.ZipFile(path) as archive:
+        return archive.getinfo(name).header_offset
+
+
+def _duplicate_record(path: Path) -> None:
+    torch.save({"a": torch.arange(4.0)}, path)
+    with zipfile.ZipFile(path) as archive:
+        records = [(info.filename, archive.read(info)) for info in archive.infolist()]
+    with zipfile.ZipFile(path, "w") as archive, pytest.warns(UserWarning, match="Duplicate name"):
+        for name, data in records + [(n, bytes(len(d))) for n, d in records if n.endswith("data/0")]:
+            archive.writestr(name, data)  # stored, so a reader could take either copy
+
+
+def _renamed_local_header(path: Path) -> None:
+    torch.save({"a": torch.arange(4.0)}, path)
+    data = bytearray(path.read_bytes())
+    name_at = _local_header_offset(path, f"{path.stem}/data/0") + 30
+    data[name_at + len(path.stem) + len("/data/0") - 1] = ord("9")  # data/0 -> data/9 here only
+    path.write_bytes(bytes(data))
+
+
+def _flipped_extra_length(path: Path) -> None:
+    torch.save({"a": torch.arange(4.0)}, path)
+    data = bytearray(path.read_bytes())
+    data[_local_header_offset(path, f"{path.stem}/data/0") + 28] ^= 1  # the tensor's bytes would start 1 off
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("make, words", [(_duplicate_record, "record in/data/0 appears twice"),
+                                         (_renamed_local_header, "bad local header of in/data/0"),
+                                         (_flipped_extra_length, "bad local header of in/data/0")],
+                         ids=["duplicate-record", "renamed-local-header", "flipped-extra-length"])
+def test_zip_entries_torch_and_this_reader_could_read_differently_are_refused(tmp_path: Path, make,
+                                                                             words: str) -> None:
+    make(tmp_path / "in.pt")
+    with pytest.raises(CheckpointLoadError, match=words):
+        read_structure(str(tmp_path / "in.pt"))
