@@ -189,6 +189,12 @@ def read_restore_files(restore_file: str, world_size: int, model_parallel_size: 
             f"--restore-file {restore_file} holds the flat weights of one FSDP shard, which load only with one rank "
             f"per model part (--world-size {parts}); to restore at any world size, reshard it with --unflatten-weights"
         )
+    osd = structures[0].get("last_optimizer_state")
+    states = osd.get("state") if isinstance(osd, Mapping) and layouts[0].unflattened else None
+    if isinstance(states, Mapping) and any(f"{n}_scale" in e for e in states.values() if isinstance(e, Mapping)
+                                           for n in e):
+        raise RestoreError(f"--restore-file {restore_file}: its consolidated optimizer state holds --fp16-adam-stats "
+                           "moments, each scaled by its own rank's factor; restore from the run's flat shards")
     cfg = structures[0].get("cfg")
     model = cfg.get("model") if isinstance(cfg, Mapping) else None
     if isinstance(model, Opaque) and isinstance(model.state, Mapping):  # upstream metaseq's argparse.Namespace
@@ -302,4 +308,16 @@ def load_training_state(model: Any, optimizer: torch.optim.Optimizer, ckpt: dict
     if osd is None:
         logger.warning("the restored checkpoint has no optimizer state; Adam starts from scratch")
     else:
-        optimizer.load_state_dict(osd)
+        optimizer.load_state_dict(_moments_as_values(osd))
+
+
+def _moments_as_values(osd: dict[str, Any]) -> dict[str, Any]:
+    """`osd` with the moments of upstream's --fp16-adam-stats (fp16 `NAME` and this rank's 0-dim `NAME_scale`,
+    value = moment x scale) as the fp32 values torch's Adam holds; other state as it is."""
+    state = {}
+    for k, entry in osd["state"].items():
+        entry = dict(entry)
+        for name in [n for n in entry if f"{n}_scale" in entry]:
+            entry[name] = entry[name].float() * entry.pop(f"{name}_scale").float()
+        state[k] = entry
+    return {**osd, "state": state}

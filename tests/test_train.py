@@ -336,3 +336,32 @@ def test_restore_of_upstream_files_holding_unloadable_objects_is_refused_up_fron
     proc = run_train(tmp_path / "run", world_size=2, max_update=3,
                      extra=["--restore-file", str(tmp_path / "dropped" / "checkpoint_last.pt")])
     assert sorted(losses(proc)) == [3]
+
+
+def test_restore_of_fp16_adam_stats_takes_each_moment_times_its_ranks_scale(tmp_path):
+    """Upstream's --fp16-adam-stats store fp16 moments with a per-rank scale: restored, the run goes on with the
+    moments the same run saved in fp32 holds (up to fp16 rounding), not with the scaled-down fp16 numbers
+    (fp16 keeps about 1e-3 of the largest moment: the scale is the largest / 65504)."""
+    write_real_runs([(tmp_path / name, RealRunSpec(2, updates=2, ema=False, streaming=False, fp16_adam_stats=stats))
+                     for name, stats in (("fp32", False), ("fp16", True))])
+    moments = {}
+    for name in ("fp32", "fp16"):
+        run_train(tmp_path / f"{name}-run", world_size=2, max_update=3,
+                  extra=["--restore-file", str(tmp_path / name / "checkpoint_last.pt")])
+        moments[name] = [s["last_optimizer_state"]["state"][0] for s in _shards(tmp_path / f"{name}-run", 2)]
+    for fp32, fp16 in zip(moments["fp32"], moments["fp16"]):
+        assert "exp_avg_scale" not in fp16
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert fp16[key].dtype == torch.float32
+            torch.testing.assert_close(fp16[key], fp32[key], rtol=0, atol=1e-3 * fp32[key].abs().max().item())
+    consolidated = tmp_path / "consolidated.pt"
+    assert reshard_main(["--input", str(tmp_path / "fp32" / "checkpoint_last-model_part-0-shard*.pt"), "--quiet",
+                         "--output", str(consolidated), "--unflatten-weights"]) == 0
+    ckpt = torch.load(consolidated, weights_only=False)
+    for entry in ckpt["last_optimizer_state"]["state"].values():  # as gather_full_optim_state_dict lists scales
+        entry["exp_avg_scale"] = [torch.tensor(1.0), torch.tensor(2.0)]
+    torch.save(ckpt, consolidated)
+    proc = run_train(tmp_path / "consolidated-run", world_size=2, max_update=3, check=False,
+                     extra=["--restore-file", str(consolidated)])
+    assert proc.returncode == 2 and "consolidated optimizer state holds --fp16-adam-stats" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and not list((tmp_path / "consolidated-run").glob("*.pt"))
