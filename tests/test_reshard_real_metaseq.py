@@ -19,7 +19,9 @@ from metaseq.errors import CheckpointLoadError
 from metaseq.file_io import load_checkpoint
 from metaseq.scripts.compare_checkpoints import main as compare
 from metaseq.scripts.reshard_fsdp import main as reshard
-from real_metaseq import EMA_KEYS, RESTORED, RealRunSpec, expected_tokenization_cache, load_real, write_real_runs
+from metaseq.scripts.reshard_model_parallel import main as reshard_mp
+from real_metaseq import (EMA_KEYS, RESTORED, RealRunSpec, expected_tokenization_cache, load_real, real_run_paths,
+                          write_real_runs)
 
 REPO = Path(__file__).resolve().parents[1]
 SHARDS = "checkpoint_last-model_part-0-shard*.pt"
@@ -180,3 +182,31 @@ def test_drop_metaseq_req_works_on_real_shards(real, tmp_path):
         got = load_real(tmp_path / f"s{rank}.pt")
         assert got["extra_state"]["train_iterator"] is None
         assert isinstance(got["cfg"]["model"], type(load_real(sorted(real["plain"].glob(SHARDS))[0])["cfg"]["model"]))
+
+
+def test_model_parallel_reshard_to_as_many_parts_keeps_each_parts_own_state(tmp_path, capsys):
+    """P = 2 -> Q = 2: part j's files are part j's (its rng tracker states, rank, --fp16-adam-stats scales), not part
+    0's; each shard's other objects are its part's rank 0's, as reshard_fsdp gives them. Per-rank scales whose
+    elements would move are refused."""
+    stats = dict(model_parallel_size=2, ema=False, fp16_adam_stats=True, streaming=False)
+    write_real_runs([(tmp_path / "in", RealRunSpec(2, **stats))])
+    write_real_runs([(tmp_path / "one", RealRunSpec(1, **stats))])
+    assert reshard_mp(["--input", str(tmp_path / "in" / "checkpoint_last-model_part-*-shard*.pt"), "--quiet",
+                       "--output", str(tmp_path / "out" / "checkpoint_last-model_part-{j}-shard{i}.pt"),
+                       "--num-output-parts", "2", "--num-output-shards", "2"]) == 0
+    inputs = real_run_paths(tmp_path / "in", 2, 2)
+    assert [p.name for p in inputs] == [p.name for p in sorted((tmp_path / "out").iterdir())]
+    for index, path in enumerate(inputs):
+        want, got, first = load_real(path), load_real(tmp_path / "out" / path.name), load_real(inputs[index // 2 * 2])
+        for key in ("model", "shard_metadata", "last_optimizer_state"):
+            _assert_same(got[key], want[key], f"{path.name} {key}")
+        for key in (k for k in want if k not in ("model", "shard_metadata", "last_optimizer_state")):
+            _assert_same(got[key], first[key], f"{path.name} {key}")
+    assert not torch.equal(*(load_real(p)["extra_state"]["rng_tracker_states"]["model-parallel-rng"]
+                             for p in inputs[::2]))  # the parts' states differ: a copy of part 0's would show
+    for run, flags in (("in", ["--num-output-parts", "2", "--num-output-shards", "3"]),
+                       ("one", ["--num-output-parts", "1"])):  # one shard per part: the parts' scales differ
+        assert reshard_mp(["--input", str(tmp_path / run / "checkpoint_last-model_part-*-shard*.pt"), "--quiet",
+                           "--output", str(tmp_path / "no" / "checkpoint_last-model_part-{j}-shard{i}.pt"),
+                           *flags]) == 2
+        assert "['exp_avg_scale'] differs between" in capsys.readouterr().err and not (tmp_path / "no").exists()

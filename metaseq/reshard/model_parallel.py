@@ -69,11 +69,13 @@ def check_parts_fit(shapes: dict[str, Size], num_parts: int, heads: int | None) 
 def cut_model_parts(parts: Sequence[ModelLayout], optims: Sequence[OptimLayout | None], shapes: dict[str, Size],
                     num_parts: int, part: int, structures: Sequence[Any]) -> tuple[ModelLayout, OptimLayout | None]:
     """Output part `part` of `num_parts`: its layout (local shapes, spans into the inputs) and optimizer state.
-    `shapes` are the parts' `global_shapes`; `structures` the inputs' objects, to compare replicated tensors."""
+    `shapes` are the parts' `global_shapes`; `structures` the inputs' objects, to compare replicated tensors. With
+    as many parts as the inputs, part j is input part j: its replicated tensors, scalars and other objects."""
     cut, first = _Cutter(parts, shapes, num_parts, part, structures), parts[0]
+    own = part if num_parts == len(parts) else 0
     model = dataclasses.replace(
         first, labels=tuple(label for p in parts for label in p.labels),
-        flat_params=tuple(cut.flat_param(fp) for fp in first.flat_params), first=0,
+        flat_params=tuple(cut.flat_param(fp) for fp in first.flat_params), first=parts[own].first,
         dicts=tuple(dataclasses.replace(d, sources=tuple(cut.spans(k, [p.dicts[i].sources[k] for p in parts])
                                                          for k in range(len(d.sources))))
                     for i, d in enumerate(first.dicts)),
@@ -82,7 +84,7 @@ def cut_model_parts(parts: Sequence[ModelLayout], optims: Sequence[OptimLayout |
         return model, None
     entries = {k: tuple(cut.entry(k, [o.entries[k][i] for o in optims]) for i in range(len(e)))
                for k, e in optims[0].entries.items()}
-    return model, dataclasses.replace(optims[0], entries=entries)
+    return model, dataclasses.replace(optims[own], entries=entries)
 
 
 class _Cutter:
@@ -91,7 +93,7 @@ class _Cutter:
     def __init__(self, parts: Sequence[ModelLayout], shapes: dict[str, Size], num_parts: int, part: int,
                  structures: Sequence[Any]) -> None:
         self.parts, self.shapes, self.num_parts, self.part = parts, shapes, num_parts, part
-        self.structures, self.warned = structures, set()
+        self.structures, self.warned, self.own = structures, set(), part if num_parts == len(parts) else None
 
     def flat_param(self, fp: FlatParam) -> FlatParam:
         """`fp` with the local shapes of this part's parameters."""
@@ -110,8 +112,9 @@ class _Cutter:
             rule = rule_for(name)
             if rule is None:
                 copies = [index.slice(start, end) for index, (start, end) in zip(indexes, starts_ends)]
-                self._warn_if_parts_differ(name, copies)
-                out += copies[0]
+                if self.own is None:
+                    self._warn_if_parts_differ(name, copies)
+                out += copies[self.own or 0]
                 continue
             columns, count, stride = _pieces(self.shapes[name], rule, len(self.parts), self.num_parts, self.part)
             out += side_by_side([indexes[p].slice_rows(starts_ends[p][0] + offset, length, count, stride)
@@ -119,15 +122,20 @@ class _Cutter:
         return join_spans(out)
 
     def entry(self, k: int, entries: Sequence[StateEntry]) -> StateEntry:
-        """An optimizer state of flat parameter k: per-element ones cut like the parameter, scalars part 0's."""
+        """An optimizer state of flat parameter k: per-element ones cut like the parameter, scalars part 0's (or
+        the output part's own)."""
         names = {e.name for e in entries}
         if len(names) > 1:
             raise ReshardError(f"last_optimizer_state of flat parameter {k} holds {sorted(names)} in different "
                                "model parts; the parts come from different runs")
         if entries[0].segments is None:
-            if any(e.per_rank for e in entries):
-                raise ReshardError(f"last_optimizer_state.state[{k}]['{entries[0].name}'] differs between ranks "
-                                   "(per-rank state such as --fp16-adam-stats scales); pass --skip-optimizer-state")
+            if self.own is not None:
+                return entries[self.own]
+            if dataclasses.replace(entries[0], values=tuple(v for e in entries for v in e.values)).per_rank:
+                raise ReshardError(f"last_optimizer_state.state[{k}]['{entries[0].name}'] differs between ranks or "
+                                   "model parts: per-rank state (such as --fp16-adam-stats scales) belongs to the "
+                                   f"elements each holds, which move with --num-output-parts={self.num_parts}; keep "
+                                   f"{len(self.parts)} parts or pass --skip-optimizer-state")
             return entries[0]
         return dataclasses.replace(entries[0], segments=self.spans(k, [e.segments for e in entries]))
 

@@ -153,6 +153,8 @@ def plan_model_parallel(options: ReshardOptions, *, flag: str = "--input-glob-pa
     files = []
     for q, names in enumerate(_part_names(options, num_parts, paths)):
         source = Source(*cut_model_parts(models, optims, shapes, num_parts, q, structures))
+        if source.optim is not None:  # kept only as the parts are (see cut_model_parts), and the shards
+            check_per_rank_state(source.optim, source.model, options.num_output_shards, options.unflatten_weights)
         files += [OutFile(name, m, tuple(output_tensors(source, options, m)), q, source)
                   for m, name in enumerate(names)]
     return _checked(Plan(options, tuple(inputs), files[0].source, tuple(files)))
@@ -386,11 +388,12 @@ def tensor_ref(tensor: OutTensor, inputs: Sequence[InputFile]) -> TensorRef:
 
 
 def assemble_output(plan: Plan, out: OutFile) -> dict[str, Any]:
-    """Output `out`'s object: fresh compact tensors, every other top-level key from input 0."""
+    """Output `out`'s object: fresh compact tensors, every other top-level key from input 0 (of its model part when
+    the parts stay as they are)."""
     source, options = out.source or plan.source, plan.options
     tensors = {t.path: tensor_ref(t, plan.inputs) for t in out.tensors}
     result: dict[str, Any] = {}
-    for key, value in plan.inputs[0].structure.items():
+    for key, value in plan.inputs[source.model.first].structure.items():
         if key == "model":
             result[key] = _assemble_dict(source.model, source.model.dicts[0], options, value, tensors)
         elif key == "shard_metadata":  # unflattened: one shard, no padding
