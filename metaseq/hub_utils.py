@@ -152,8 +152,9 @@ def _model_parts_pattern(path: str) -> str | None:
     return pattern if "{j}" in path or len(parts) > 1 else None
 
 
-def read_servable(path: str, *, trust: bool = False) -> dict[str, Any]:
-    """A file's `model` (torch tensors) and `cfg`, read without running anything it holds.
+def read_servable(path: str, *, trust: bool = False, mmap: bool = False) -> dict[str, Any]:
+    """A file's `model` (torch tensors; `mmap`: mapped from the file) and `cfg`, read without running anything it
+    holds.
 
     The rest of a checkpoint (optimizer state, extra_state with objects of classes that
     may not exist here, such as upstream's data loader state) is not needed to serve it.
@@ -162,11 +163,11 @@ def read_servable(path: str, *, trust: bool = False) -> dict[str, Any]:
     try:
         structure, _ = read_checkpoint(path)
     except NeedsTorch:
-        return load_checkpoint(path, trust=trust)
+        return load_checkpoint(path, trust=trust, mmap=mmap)
     if not isinstance(structure, dict):
         kind = "Tensor" if isinstance(structure, TensorRef) else type(structure).__name__
         raise InferenceLoadError(f"{path}: expected a checkpoint dict, found {kind}")
-    return {key: to_torch(plain_config(structure[key])) for key in ("model", "cfg") if key in structure}
+    return {key: to_torch(plain_config(structure[key]), mmap=mmap) for key in ("model", "cfg") if key in structure}
 
 
 def plain_config(obj: Any) -> Any:

@@ -511,26 +511,37 @@ def _cast(data: bytes | memoryview, src: DType, dst: DType) -> bytes:
     return values.to(getattr(torch, dst.name)).view(torch.uint8).numpy().tobytes()
 
 
-def to_torch(obj: Any, storages: dict[int, Any] | None = None) -> Any:
-    """`obj` with torch tensors for its TensorRefs (read from their sources; shared storages stay shared)."""
+def to_torch(obj: Any, storages: dict[Any, Any] | None = None, *, mmap: bool = False) -> Any:
+    """`obj` with torch tensors for its TensorRefs (read from their sources; shared storages stay shared). With
+    `mmap`, a storage that is one run of a file's bytes is mapped from it, as `torch.load(mmap=True)` does."""
     import torch
 
-    storages = {} if storages is None else storages  # Storage id -> its bytes as a flat torch tensor
+    storages = {} if storages is None else storages  # Storage id (or a file's path) -> a flat torch tensor
     if type(obj) is TensorRef:
-        dtype = getattr(torch, obj.dtype.name)
+        dtype, copies = getattr(torch, obj.dtype.name), obj.storage.copies
+        whole = len(copies) == 1 and copies[0][2:6] == (0, obj.storage.nbytes // obj.dtype.itemsize, obj.dtype, 1)
+        whole = whole and isinstance(copies[0].source, str) and not copies[0].src_offset % obj.dtype.itemsize
+        if mmap and whole and id(obj.storage) not in storages:  # a view of the file's map
+            if copies[0].source not in storages:
+                size = os.path.getsize(copies[0].source)
+                storages[copies[0].source] = torch.from_file(copies[0].source, shared=False, size=size,
+                                                             dtype=torch.uint8)
+            start = copies[0].src_offset
+            storages[id(obj.storage)] = storages[copies[0].source][start : start + obj.storage.nbytes].view(dtype)
         if id(obj.storage) not in storages:  # its copies read (and cast), zeros elsewhere
             data = bytearray(obj.storage.nbytes)
             _gather(obj.storage.copies, 0, memoryview(data), obj.storage.dtype)
             storages[id(obj.storage)] = torch.frombuffer(data, dtype=dtype) if data else torch.empty(0, dtype=dtype)
-        return storages[id(obj.storage)].as_strided(obj.shape, obj.stride, obj.storage_offset)
+        base = storages[id(obj.storage)]
+        return base.as_strided(obj.shape, obj.stride, base.storage_offset() + obj.storage_offset)
     if type(obj) is Size:
         return torch.Size(obj)
     if type(obj) is DType:
         return getattr(torch, obj.name)
     if type(obj) in (dict, collections.OrderedDict):
-        return type(obj)((k, to_torch(v, storages)) for k, v in obj.items())
+        return type(obj)((k, to_torch(v, storages, mmap=mmap)) for k, v in obj.items())
     if type(obj) in (list, tuple):
-        return type(obj)(to_torch(v, storages) for v in obj)
+        return type(obj)(to_torch(v, storages, mmap=mmap) for v in obj)
     return obj
 
 

@@ -24,6 +24,7 @@ from metaseq.models.partition import split_param
 from metaseq.models.transformer_lm import ModelConfig, build_model
 from metaseq.scripts import convert_from_hf, convert_to_hf, reshard_fsdp
 from test_hf_tokenizer import write_gpt2_files
+from real_metaseq import RealRunSpec, write_real_runs
 from training import REPO, run_train
 
 QUESTION = "what is the meaning of life?"
@@ -540,3 +541,13 @@ def test_upstream_namespace_cfg_is_opt_exact_with_vocab_from_the_weights():
     assert config.vocab_size == 1234 and config.max_target_positions == ODD["max_position_embeddings"]
     scaled = model_config_from_cfg(_upstream_cfg(hf_cfg, no_scale_embedding=False), state, source="opt.pt")
     assert (scaled.no_scale_embedding, scaled.position_offset) == (False, 2)
+
+
+def test_real_streaming_runs_shards_and_upstream_restored_file_export_alike(tmp_path, capsys):
+    """Upstream's LockingArray (rank 0's data loader state) and the DictConfig of its restored.pt are not needed to
+    export: only the weights and cfg['model'] are read, nothing of theirs is run."""
+    write_real_runs([(tmp_path / "real", RealRunSpec(2, ema=False, restored=True))])
+    for source, out in (("checkpoint_last-model_part-0-shard*.pt", "shards"), ("restored.pt", "restored")):
+        assert convert_to_hf.main(["--input", str(tmp_path / "real" / source), "--output", str(tmp_path / out),
+                                   "-q"]) == 0, capsys.readouterr().err
+    assert_same_tensors(hf_tensors(tmp_path / "shards"), hf_tensors(tmp_path / "restored"))

@@ -20,7 +20,7 @@ from typing import Any, Mapping
 
 import torch
 
-from metaseq.file_io import folder_hint, glob_files, is_glob, load_checkpoint
+from metaseq.file_io import folder_hint, glob_files, is_glob
 from metaseq.hf.config import DTYPE_NAMES, hf_config, hf_generation_config
 from metaseq.hf.errors import ConversionError
 from metaseq.hf.names import check_whole_model, split_fused_qkv, to_hf_state_dict, upstream_state_for_model
@@ -92,16 +92,18 @@ def input_files(input_path: str) -> list[str]:
 
 
 def _load_unflattened(input_path: str, tmp: str, trust: bool) -> dict[str, Any]:
-    """The checkpoint with unflattened weights, tensors mapped from disk."""
+    """The checkpoint's `model` (unflattened) and `cfg`; nothing else it holds is unpickled (`read_servable`)."""
+    from metaseq.hub_utils import read_servable  # here: hub_utils imports metaseq.hf
+
     if not is_glob(input_path):
-        ckpt = load_checkpoint(input_path, mmap=True, trust=trust)
+        ckpt = read_servable(input_path, trust=trust, mmap=True)
         if not any("flat_param_" in str(k) for k in ckpt.get("model", {})):
             return ckpt
     consolidated = os.path.join(tmp, "consolidated.pt")
     reshard_fsdp_checkpoints(input_path, consolidated, unflatten_weights=True, skip_optimizer_state=True,
                              trust_checkpoint=trust)
     logger.info("consolidated %s into a temp file", input_path)
-    return load_checkpoint(consolidated, mmap=True, trust=trust)
+    return read_servable(consolidated, mmap=True)
 
 
 def hf_tensors_from_checkpoint(ckpt: Mapping[str, Any], *, source: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
