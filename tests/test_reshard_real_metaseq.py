@@ -210,3 +210,12 @@ def test_model_parallel_reshard_to_as_many_parts_keeps_each_parts_own_state(tmp_
                            "--output", str(tmp_path / "no" / "checkpoint_last-model_part-{j}-shard{i}.pt"),
                            *flags]) == 2
         assert "['exp_avg_scale'] differs between" in capsys.readouterr().err and not (tmp_path / "no").exists()
+
+
+def test_upstream_restored_file_is_the_same_model_as_its_shards(real, capsys):
+    """restored.pt leaves out the tied head, the version buffer and EMA: the head is the embedding, as inference
+    takes it; the others are noted, not called differences."""
+    assert compare([str(real["plain"] / RESTORED), str(real["plain"] / SHARDS)]) == 0
+    out = capsys.readouterr().out
+    assert "note: decoder.version only in B; not compared\nnote: extra_state.ema only in B; not compared\n" in out
+    assert out.strip().endswith("SAME: the checkpoints hold the same model"), out
