@@ -212,6 +212,12 @@ class Opaque:
     def __setstate__(self, state: Any) -> None:
         self.state = state
 
+    def __call__(self, *args: Any) -> Opaque:
+        """A REDUCE of a carried object (a functools.partial: how protocol 2 pickles keyword arguments): its result."""
+        result = _Called(*args)
+        result.callee, result.called = self, True
+        return result
+
     def __deepcopy__(self, memo: dict) -> Opaque:  # `copy`'s default would rebuild it through __new__/__setstate__
         obj = object.__new__(type(self))
         memo[id(self)] = obj
@@ -226,6 +232,10 @@ class Opaque:
 
     def __repr__(self) -> str:
         return f"<{self.module}.{self.qualname} (carried, not loaded)>"
+
+
+class _Called(Opaque):
+    """What calling a carried object returned: pickled as that call."""
 
 
 def opaque_class(module: str, qualname: str) -> type[Opaque]:
@@ -587,6 +597,8 @@ class _Pickler(pickle._Pickler):
             return obj.name  # a global: save_global
         if isinstance(obj, Opaque):  # REDUCE, or NEWOBJ; BUILD only for a state that is not None
             rest = (obj.state, iter(obj.items), iter(obj.entries))
+            if kind is _Called:
+                return (obj.callee, tuple(obj.args), *rest)
             return (kind, tuple(obj.args), *rest) if obj.called else (copyreg.__newobj__, (kind, *obj.args), *rest)
         raise TypeError(f"cannot write a {kind.__name__} into a checkpoint")
 

@@ -247,6 +247,29 @@ def test_objects_of_other_classes_are_carried_and_written_back_equal(tmp_path: P
     assert loaded["blob"] == original["blob"] and loaded["kinds"] == original["kinds"]
 
 
+class Keyword:
+    """Made with keyword arguments: protocol 2 pickles a call of functools.partial(Keyword.__new__, ...)."""
+
+    def __new__(cls, a: int, *, b: int) -> "Keyword":
+        obj = object.__new__(cls)
+        obj.a, obj.b = a, b
+        return obj
+
+    def __getnewargs_ex__(self) -> tuple[tuple, dict]:
+        return (self.a,), {"b": self.b}
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is Keyword and (other.a, other.b) == (self.a, self.b)
+
+
+def test_objects_made_with_keyword_arguments_are_carried_not_called_corrupt(tmp_path: Path) -> None:
+    torch.save({"k": Keyword(5, b=7), "a": torch.zeros(2)}, tmp_path / "in.pt")
+    obj, unknown = read_checkpoint(str(tmp_path / "in.pt"))
+    assert "functools.partial" in unknown and isinstance(obj["k"], Opaque)
+    _rewrite(tmp_path / "in.pt", tmp_path / "out.pt")
+    assert torch.load(tmp_path / "out.pt", weights_only=False)["k"] == Keyword(5, b=7)
+
+
 @pytest.mark.parametrize("protocol", [4, 5])
 def test_sets_and_bytearrays_of_newer_pickle_protocols_are_written_back(tmp_path: Path, protocol: int) -> None:
     """Protocols 4 and 5 give real set, frozenset and bytearray objects (2 gives calls of their classes)."""
