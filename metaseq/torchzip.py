@@ -355,6 +355,13 @@ def _rebuild_tensor(storage: Storage, storage_offset: int, size: tuple, stride: 
     return ref
 
 
+def _rebuild_parameter(data: Any, requires_grad: bool, backward_hooks: Any) -> TensorRef:
+    """An nn.Parameter: its tensor (written back as a tensor, as state dicts hold them)."""
+    if type(data) is not TensorRef or backward_hooks:
+        raise NeedsTorch("parameter with hooks, or not of a tensor")
+    return replace(data, requires_grad=bool(requires_grad))
+
+
 class _StorageTag(NamedTuple):  # what a storage class global resolves to
     dtype: DType
 
@@ -364,6 +371,7 @@ class _StorageTag(NamedTuple):  # what a storage class global resolves to
 _GLOBALS: dict[tuple[str, str], Callable[[], Any]] = {
     ("collections", "OrderedDict"): lambda: collections.OrderedDict,  # a class: BUILD cannot change it
     ("torch._utils", "_rebuild_tensor_v2"): lambda: lambda *args: _rebuild_tensor(*args),
+    ("torch._utils", "_rebuild_parameter"): lambda: lambda data, grad, hooks: _rebuild_parameter(data, grad, hooks),
     ("torch", "Size"): lambda: Size,
     ("_codecs", "encode"): lambda: lambda text, encoding="utf-8": codecs.encode(text, encoding),  # bytes
     ("__builtin__", "bytes"): lambda: lambda: b"",  # an empty bytes object

@@ -270,6 +270,18 @@ def test_objects_made_with_keyword_arguments_are_carried_not_called_corrupt(tmp_
     assert torch.load(tmp_path / "out.pt", weights_only=False)["k"] == Keyword(5, b=7)
 
 
+def test_parameters_are_read_as_their_tensors(tmp_path: Path) -> None:
+    """A state dict saved with keep_vars=True holds nn.Parameters: read (and written back) as tensors."""
+    weight = torch.nn.Parameter(torch.arange(6.0).view(2, 3))
+    torch.save({"model": {"w": weight, "view": weight[1]}}, tmp_path / "in.pt")
+    model = read_structure(str(tmp_path / "in.pt"))["model"]
+    assert type(model["w"]) is TensorRef and model["w"].requires_grad and model["w"].shape == (2, 3)
+    _rewrite(tmp_path / "in.pt", tmp_path / "out.pt")
+    loaded = torch.load(tmp_path / "out.pt", weights_only=True)["model"]
+    assert type(loaded["w"]) is torch.Tensor and torch.equal(loaded["w"], weight.detach())
+    assert torch.equal(loaded["view"], weight[1].detach())
+
+
 @pytest.mark.parametrize("protocol", [4, 5])
 def test_sets_and_bytearrays_of_newer_pickle_protocols_are_written_back(tmp_path: Path, protocol: int) -> None:
     """Protocols 4 and 5 give real set, frozenset and bytearray objects (2 gives calls of their classes)."""
