@@ -1,5 +1,6 @@
 """The reshard tool against real fairscale FSDP on CPU (checkpoints from the training CLI)."""
 import os
+import shutil
 import subprocess
 import sys
 
@@ -131,3 +132,21 @@ def test_seed_commands_run_verbatim_through_python_m(trained, tmp_path):
     model = load_checkpoint(tmp_path / "out" / "reshard-model_part-0.pt")["model"]
     assert model["decoder.embed_tokens.weight"].shape == (260, 30)
     assert torch.equal(model["decoder.embed_tokens.weight"], model["decoder.output_projection.weight"])
+
+
+def test_outputs_keep_the_module_versions_and_say_their_own_rank(trained, tmp_path, capsys):
+    """Flat outputs keep the state dict's OrderedDict and `_metadata`; each cfg names the output's rank and world
+    size, so a shard copied over another is caught when the outputs are read back."""
+    save_dir, _ = trained[4]
+    out = tmp_path / "o" / "checkpoint_last-model_part-0-shard{i}.pt"
+    _reshard(save_dir / "checkpoint_last-model_part-0-shard*.pt", out, 3)
+    want = load_checkpoint(save_dir / "checkpoint_last-model_part-0-shard0.pt")["model"]
+    for rank in range(3):
+        got = load_checkpoint(str(out).format(i=rank))
+        assert type(got["model"]) is type(want) and got["model"]._metadata == want._metadata
+        assert (got["cfg"]["distributed_training"]["distributed_rank"],
+                got["cfg"]["distributed_training"]["distributed_world_size"]) == (rank, 3)
+    shutil.copy(str(out).format(i=0), str(out).format(i=1))  # of the same length
+    assert reshard_main(["--input", str(tmp_path / "o" / "*.pt"), "--output", str(tmp_path / "x.pt"),
+                         "--unflatten-weights", "--quiet"]) == 2
+    assert "were both saved by rank 0 (their cfg's distributed_rank)" in capsys.readouterr().err

@@ -76,8 +76,12 @@ def test_round_trip_is_bit_identical_and_carries_every_object(real, tmp_path, vi
             _assert_same(got["extra_state"][key], want["extra_state"][key], key)
         carried, extra = _without_cache(inputs[0]["extra_state"]), _without_cache(got["extra_state"])
         _assert_same(extra, carried, "extra_state")  # rank 0's metrics, rng states, data position
-        for key in (k for k in want if k not in SHARDED):
-            _assert_same(got[key], inputs[0][key], key)  # cfg with its Namespaces, optimizer_history, ...
+        for key in (k for k in want if k not in SHARDED):  # cfg with its Namespaces, optimizer_history, ...
+            expected = inputs[0][key]
+            if key == "cfg":  # with the output's rank; device_id (a GPU of the node) stays rank 0's
+                section = {**expected["distributed_training"], "distributed_rank": rank}
+                expected = {**expected, "distributed_training": section}
+            _assert_same(got[key], expected, key)
         # upstream keeps the tokenization cache on rank 0 alone; outputs do too when the inputs say so
         cache = got["extra_state"]["train_iterator"]["tokenization_cache"]
         assert cache == expected_tokenization_cache(0) if rank == 0 or "--unflatten-weights" in via else cache is None
@@ -186,8 +190,8 @@ def test_drop_metaseq_req_works_on_real_shards(real, tmp_path):
 
 def test_model_parallel_reshard_to_as_many_parts_keeps_each_parts_own_state(tmp_path, capsys):
     """P = 2 -> Q = 2: part j's files are part j's (its rng tracker states, rank, --fp16-adam-stats scales), not part
-    0's; each shard's other objects are its part's rank 0's, as reshard_fsdp gives them. Per-rank scales whose
-    elements would move are refused."""
+    0's; each shard's other objects are its part's rank 0's (but its own rank), as reshard_fsdp gives them. Per-rank
+    scales whose elements would move are refused."""
     stats = dict(model_parallel_size=2, ema=False, fp16_adam_stats=True, streaming=False)
     write_real_runs([(tmp_path / "in", RealRunSpec(2, **stats))])
     write_real_runs([(tmp_path / "one", RealRunSpec(1, **stats))])
@@ -201,7 +205,12 @@ def test_model_parallel_reshard_to_as_many_parts_keeps_each_parts_own_state(tmp_
         for key in ("model", "shard_metadata", "last_optimizer_state"):
             _assert_same(got[key], want[key], f"{path.name} {key}")
         for key in (k for k in want if k not in ("model", "shard_metadata", "last_optimizer_state")):
-            _assert_same(got[key], first[key], f"{path.name} {key}")
+            expected = first[key]
+            if key == "cfg":  # with the file's own rank
+                rank = want["cfg"]["distributed_training"]["distributed_rank"]
+                expected = {**expected, "distributed_training": {**expected["distributed_training"],
+                                                                 "distributed_rank": rank}}
+            _assert_same(got[key], expected, f"{path.name} {key}")
     assert not torch.equal(*(load_real(p)["extra_state"]["rng_tracker_states"]["model-parallel-rng"]
                              for p in inputs[::2]))  # the parts' states differ: a copy of part 0's would show
     for run, flags in (("in", ["--num-output-parts", "2", "--num-output-shards", "3"]),

@@ -13,6 +13,7 @@ parameter's elements into runs; every other top-level key is carried from input 
 """
 from __future__ import annotations
 
+import collections
 import fnmatch
 import glob
 import logging
@@ -329,8 +330,8 @@ def check_same_save(structures: Sequence[Mapping[str, Any]], labels: Sequence[st
 
 def check_rank_order(structures: Sequence[Mapping[str, Any]], labels: Sequence[str], parts: int = 1) -> None:
     """Refuse files out of the order of the ranks that saved them, where the files say (cfg's distributed_rank, as
-    training writes it; resharded files keep input 0's): `structures` part by part, shard i of part j saved by
-    rank i * parts + j (fairscale's model-parallel layout)."""
+    training and the reshard tools write it; older resharded files all say 0): `structures` part by part, shard i
+    of part j saved by rank i * parts + j (fairscale's model-parallel layout)."""
     ranks = [cfg_value(s.get("cfg"), "distributed_training", "distributed_rank") for s in structures]
     if len(set(ranks)) == 1 or not all(type(r) is int for r in ranks):
         return
@@ -409,8 +410,8 @@ def assemble_output(plan: Plan, out: OutFile) -> dict[str, Any]:
             result[key] = _assemble_extra_state(source.model, options, value, tensors)
             if out.rank or out.part:
                 result[key] = _only_on_rank_zero(result[key], plan.inputs)
-        elif key == "cfg" and options.num_output_parts is not None and isinstance(value, Mapping):
-            result[key] = _cfg_for_parts(value, options, out.part)
+        elif key == "cfg" and isinstance(value, Mapping):
+            result[key] = _cfg_for_output(value, options, out, plan.inputs[source.model.first].path)
         else:
             result[key] = value
     if options.drop_metaseq_req and result.get("extra_state") is None:
@@ -420,8 +421,11 @@ def assemble_output(plan: Plan, out: OutFile) -> dict[str, Any]:
 
 def _assemble_dict(model: ModelLayout, held: ParamDict, options: ReshardOptions, value0: Mapping[str, Any],
                    tensors: dict) -> dict:
-    """`held` (input 0's is `value0`) with this output's tensors."""
-    out: dict[str, Any] = {}
+    """`held` (input 0's is `value0`) with this output's tensors; an OrderedDict stays one, with its modules' versions
+    (`_metadata`, keyed by the flat layout's module names) in flat outputs."""
+    out: dict[str, Any] = collections.OrderedDict() if isinstance(value0, collections.OrderedDict) else {}
+    if hasattr(value0, "_metadata") and not options.unflatten_weights:
+        out._metadata = value0._metadata
     for fp in model.flat_params:
         for key in fp.names if options.unflatten_weights else (fp.key,):
             out[key] = tensors[(*held.root, key)]
@@ -456,16 +460,26 @@ def _only_on_rank_zero(extra: dict[str, Any], inputs: Sequence[InputFile]) -> di
     return {**extra, "train_iterator": {**iterator, **dict.fromkeys(alone)}} if alone else extra
 
 
-def _cfg_for_parts(cfg: Mapping[str, Any], options: ReshardOptions, part: int) -> dict[str, Any]:
-    """Input 0's cfg with the new model-parallel size, world size and part suffix (where it has them)."""
-    out = dict(cfg)
-    updates = {("common", "model_parallel_size"): options.num_output_parts,
-               ("distributed_training", "distributed_world_size"): options.num_output_parts * options.num_output_shards,
-               ("checkpoint", "checkpoint_suffix"): f"-model_part-{part}"}
+def _cfg_for_output(cfg: Mapping[str, Any], options: ReshardOptions, out: OutFile, path0: str) -> dict[str, Any]:
+    """Input 0's cfg (`path0` its file) with this output's place, in the fields it has: the world size, the rank
+    (shard i of part j is rank i * parts + j, fairscale's layout) and, with new parts, their number and suffix."""
+    parts, part = options.num_output_parts, out.part
+    if parts is None:  # reshard_fsdp: the parts stay as they are
+        declared = cfg_value(cfg, "common", "model_parallel_size")
+        parts = declared if type(declared) is int and declared > 0 else 1
+        found = re.search(r"model_part-(\d+)", os.path.basename(path0))
+        part = int(found.group(1)) if found else 0
+    updates = {("distributed_training", "distributed_world_size"): parts * options.num_output_shards}
+    if part < parts:
+        updates["distributed_training", "distributed_rank"] = out.rank * parts + part
+    if options.num_output_parts is not None:
+        updates["common", "model_parallel_size"] = parts
+        updates["checkpoint", "checkpoint_suffix"] = f"-model_part-{part}"
+    result = dict(cfg)
     for (section, field), value in updates.items():
-        if isinstance(out.get(section), Mapping) and (field in out[section] or section == "common"):
-            out[section] = {**out[section], field: value}
-    return out
+        if isinstance(result.get(section), Mapping) and (field in result[section] or field == "model_parallel_size"):
+            result[section] = {**result[section], field: value}
+    return result
 
 
 def summarize_plan(plan: Plan) -> str:
