@@ -21,7 +21,8 @@ from metaseq.torchzip import NeedsTorch, check_record, zip_records
 
 __all__ = ["CheckpointLoadError", "atomic_output", "atomic_torch_save", "check_checkpoint_crc", "checkpoint_prefix",
            "find_model_parts", "find_shards", "folder_hint", "glob_files", "is_glob", "load_checkpoint",
-           "natural_sort_key", "remove_stale_temp_files", "shard_file_name", "shard_glob", "summarize_paths"]
+           "model_part_number", "natural_sort_key", "remove_stale_temp_files", "shard_file_name", "shard_glob",
+           "summarize_paths"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ def find_shards(pattern: str, *, flag: str = "--input-glob-pattern") -> list[str
     """The files `pattern` matches, ordered by shard index: the number after `shard` in metaseq's names, else the
     one number that differs between the names (`out/s0.pt`, `out/s1.pt`, ...); one file is returned as it is."""
     paths = _glob_files(pattern, flag, every_part=False)
-    parts = [_last_int(_PART_RE, p) for p in paths]
+    parts = [model_part_number(p) for p in paths]
     if len(set(parts)) > 1 and None in parts:
         example = next(p for p, part in zip(paths, parts) if part is not None)
         raise UserError(f"{paths[parts.index(None)]}: not a model part's shard like {example}; "
@@ -78,7 +79,7 @@ def find_model_parts(pattern: str, *, flag: str = "--input-glob-pattern") -> lis
     """
     by_part: dict[int, list[str]] = {}
     for path in _glob_files(pattern, flag, every_part=True):
-        part = _last_int(_PART_RE, path)
+        part = model_part_number(path)
         if part is None:
             raise UserError(f"{path}: no model part ('model_part-J') in its name; narrow {flag} to the parts' "
                             "files, or name each part's files '...-model_part-J...' (J: its part number)")
@@ -141,7 +142,7 @@ def folder_hint(path: str | os.PathLike, *, globs: bool = False, every_part: boo
         return ""
     found = set()
     for file in glob.glob(os.path.join(glob.escape(folder), "*.pt")):
-        stem, part = checkpoint_prefix(file) + ".pt", _last_int(_PART_RE, file)
+        stem, part = checkpoint_prefix(file) + ".pt", model_part_number(file)
         part = "*" if every_part and part is not None else part
         found.add(repr(shard_glob(stem, part)) if globs and stem != file and part is not None else stem)
     if not found:
@@ -178,6 +179,11 @@ def _shard_indices(paths: Sequence[str]) -> list[int]:
         raise UserError(f"{summarize_paths(paths)}: cannot tell which number in the names is the shard index; "
                         "name the files '...shard{i}.pt'")
     return list(varying.pop())
+
+
+def model_part_number(path: str) -> int | None:
+    """J of a file named '...model_part-J...', else None."""
+    return _last_int(_PART_RE, path)
 
 
 def _last_int(pattern: re.Pattern, path: str) -> int | None:

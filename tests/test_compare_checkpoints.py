@@ -120,7 +120,7 @@ def test_plain_state_dicts_from_other_tools(ckpts: Path, tmp_path: Path, capsys)
         (["NONE", "CKPTS"], "none*.pt' matches no files"),
         (["CKPTS", "CKPTS", "--atol", "-1"], "--atol=-1.0: must be a number at least 0"),
         (["CKPTS", "CKPTS", "--atol", "nan"], "--atol=nan: must be a number at least 0"),
-        (["PARTS", "CKPTS"], "name one model part's files, e.g. pattern '...-model_part-0-shard*.pt'\n"),  # no {j}
+        (["PARTS", "CKPTS"], "A: model_part-1 is missing: pattern 'PARTS' matches parts [0, 2]"),  # all parts merged
         (["CKPTS"], "the following arguments are required: B"),
         (["CKPTS", "GARBAGE"], "garbage.pt: cannot read checkpoint"),
         (["NOMETA", "CKPTS"], "nometa.pt: no 'shard_metadata'; it has flat_param_* keys"),
@@ -142,13 +142,13 @@ def test_errors_are_one_line_with_exit_2(ckpts: Path, tmp_path: Path, capsys, ar
     torch.save({"model": {}}, tmp_path / "folder" / "nometa.pt")
     names["FOLDER"] = str(tmp_path / "folder")
     (tmp_path / "parts").mkdir()
-    for j in range(2):
+    for j in (0, 2):
         (tmp_path / "parts" / f"checkpoint_last-model_part-{j}-shard0.pt").write_bytes(b"")
     names["PARTS"] = str(tmp_path / "parts" / "*.pt")
     assert main([names.get(a, a) for a in argv]) == 2
     captured = capsys.readouterr()
     assert captured.out == "" and "Traceback" not in captured.err
-    words = words.replace("FOLDER", names["FOLDER"])
+    words = words.replace("FOLDER", names["FOLDER"]).replace("PARTS", names["PARTS"])
     assert captured.err.count("\n") == 1 and captured.err.startswith("ERROR: ") and words in captured.err
 
 

@@ -154,11 +154,13 @@ def _assert_both_parts_written(out_dir, target):
     for part in range(2):
         files = sorted(out_dir.glob(f"reshard-model_part-{part}-shard*.pt"))
         assert [f.name for f in files] == [f"reshard-model_part-{part}-shard{i}.pt" for i in range(target)]
-    # Part 1 is a renamed copy of part 0, so its outputs are the same.
-    _assert_same_files(
-        [out_dir / f"reshard-model_part-0-shard{i}.pt" for i in range(target)],
-        [out_dir / f"reshard-model_part-1-shard{i}.pt" for i in range(target)],
-    )
+    # Part 1 is a renamed copy of part 0, so its outputs are the same but for the ranks in cfg: part 0's say theirs,
+    # part 1's cannot (their cfg says the model has one part) and keep their input 0's.
+    for i in range(target):
+        a, b = (load_checkpoint(out_dir / f"reshard-model_part-{j}-shard{i}.pt") for j in (0, 1))
+        assert a["cfg"]["distributed_training"].pop("distributed_rank") == i
+        assert b["cfg"]["distributed_training"].pop("distributed_rank") == 0
+        assert_same_checkpoint(a, b, where=f"shard{i}")
 
 
 def test_no_slurm_launcher_reshards_every_part(two_parts, tmp_path):

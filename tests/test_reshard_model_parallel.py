@@ -17,6 +17,7 @@ from metaseq.cli import interactive_cli
 from metaseq.file_io import load_checkpoint
 from metaseq.hub_utils import InferenceLoadError, build_inference_model, load_inference_checkpoint
 from metaseq.models.partition import split_param
+from metaseq.scripts.compare_checkpoints import main as compare
 from metaseq.scripts.reshard_fsdp import main as reshard_fsdp
 from metaseq.scripts.reshard_model_parallel import main
 from mp_harness import FIXED_TOKENS, MOMENTS, compute_logits, gather_full_state, run_train_mp
@@ -401,3 +402,19 @@ def test_dry_run_and_verify_of_a_model_parallel_plan(tmp_path, capsys):
     assert main([*braces, "--dry-run"]) == 0 and capsys.readouterr().out == out
     assert main([*argv, "--verify"]) == 0
     assert "verified 3 output(s): 9 parameters, 2 buffers, 16 optimizer tensors bit-identical" in capsys.readouterr().err
+
+
+def test_compare_checkpoints_merges_model_parts(mp_runs, tmp_path, capsys):
+    """Two parts against the one part they were merged into: SAME, optimizer state included; against the run at P = 1
+    (same seed and batches) the cut parameters differ only by summation order."""
+    save_dir, p1 = mp_runs["p2"][0], mp_runs["p1"][0]
+    _reshard(save_dir, str(tmp_path / "one" / OUT), "--num-output-parts", "1")
+    assert compare([str(save_dir / SHARDS.format(n="last")), str(tmp_path / "one" / "*.pt")]) == 0
+    out = capsys.readouterr().out
+    assert "A: 2 model parts of 2 flat shard(s)" in out and "B: 1 flat shard" in out
+    assert out.strip().endswith("SAME: the checkpoints hold the same model and optimizer state"), out
+    assert compare([str(save_dir / "checkpoint_last-model_part-{j}-shard*.pt"), str(p1 / SHARDS.format(n="last")),
+                    "--skip-optimizer-state"]) == 1
+    assert "differs: decoder.layers.0.fc1.weight: max abs diff" in capsys.readouterr().out
+    assert compare([str(save_dir / SHARDS.format(n="last")), str(p1 / SHARDS.format(n="last")), "--atol", "1e-4",
+                    "--skip-optimizer-state", "--quiet"]) == 0

@@ -1,4 +1,4 @@
-"""Compare two checkpoints of one model part tensor by tensor, whatever their sharding.
+"""Compare two checkpoints tensor by tensor, whatever their sharding (and model parts, merged).
 
 A checkpoint (N flat FSDP shards, an unflattened file as `--unflatten-weights` writes,
 or a plain state dict) is opened as a `TensorSet`: each original parameter, tensor
@@ -9,7 +9,7 @@ the largest parameter, not the model.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -19,14 +19,14 @@ from metaseq.file_io import summarize_paths
 from metaseq.reshard.layout import global_params
 from metaseq.reshard.optim import LAYOUT_KEYS
 from metaseq.reshard.options import ReshardOptions
-from metaseq.reshard.plan import (InputFile, Source, analyze_inputs, output_tensors, read_inputs, tensor_ref,
-                                  whole_tensor)
+from metaseq.reshard.plan import (InputFile, Source, analyze_inputs, cut_model_parallel, output_tensors, read_inputs,
+                                  tensor_ref, whole_tensor)
 from metaseq.reshard.ranges import OutTensor
 from metaseq.reshard.schema import OPTIM, clean_key, is_tensor
 from metaseq.torchzip import Opaque, pickle_bytes, to_torch
 
-__all__ = ["Comparison", "Difference", "TensorSet", "compare_tensor_sets", "describe_comparison", "open_tensor_set",
-           "tensor_difference", "tensor_set_from_source"]
+__all__ = ["Comparison", "Difference", "TensorSet", "compare_tensor_sets", "describe_comparison", "open_model_parts",
+           "open_tensor_set", "tensor_difference", "tensor_set_from_source"]
 
 CHUNK_ELEMENTS = 1 << 24  # differences are computed in chunks of this many elements
 OptimKey = str  # "STATE of PARAMETER", e.g. "exp_avg of decoder.x.weight"
@@ -67,6 +67,17 @@ def open_tensor_set(paths: Sequence[str], *, trust: bool = False, skip_optimizer
         return _plain_tensor_set(inputs[0], skip_optimizer_state)
     options = ReshardOptions(skip_optimizer_state=skip_optimizer_state)
     return tensor_set_from_source(analyze_inputs([i.structure for i in inputs], list(paths), options), inputs)
+
+
+def open_model_parts(groups: Sequence[Sequence[str]], *, trust: bool = False,
+                     skip_optimizer_state: bool = False) -> TensorSet:
+    """The files of P model parts (each part's shards, ordered) as one model: each cut parameter merged."""
+    inputs = read_inputs([path for group in groups for path in group], trust=trust)
+    options = ReshardOptions(unflatten_weights=True, skip_optimizer_state=skip_optimizer_state)
+    merged = tensor_set_from_source(cut_model_parallel(inputs, groups, options, 1, flag="pattern")[0], inputs,
+                                    stored_ties=False)
+    each = "1 unflattened file" if merged.form == "1 unflattened file" else f"{len(groups[0])} flat shard(s)"
+    return replace(merged, form=f"{len(groups)} model parts of {each}")
 
 
 def tensor_set_from_source(source: Source, inputs: Sequence[InputFile], output_dtype: str | None = None, *,

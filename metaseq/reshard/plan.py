@@ -34,9 +34,9 @@ from metaseq.reshard.schema import OPTIM, cfg_value, is_tensor, resolve
 from metaseq.torchzip import Copy, DType, NeedsTorch, Opaque, Size, TensorRef, from_torch, read_checkpoint
 
 __all__ = ["InputFile", "OutFile", "Plan", "Source", "analyze_inputs", "assemble_output", "check_output_name",
-           "check_rank_order", "check_same_save", "describe_plan", "expand_model_parts", "output_paths",
-           "output_tensors", "plan_model_parallel", "plan_reshard", "plan_structures", "read_inputs", "saved_at",
-           "summarize_plan", "tensor_ref", "whole_tensor"]
+           "check_rank_order", "check_same_save", "cut_model_parallel", "describe_plan", "expand_model_parts",
+           "output_paths", "output_tensors", "plan_model_parallel", "plan_reshard", "plan_structures", "read_inputs",
+           "saved_at", "summarize_plan", "tensor_ref", "whole_tensor"]
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +137,21 @@ def plan_model_parallel(options: ReshardOptions, *, flag: str = "--input-glob-pa
     logger.info("found %d model part(s) x %d file(s) matching %r", len(groups), len(groups[0]),
                 options.input_glob_pattern)
     inputs = read_inputs(paths, trust=options.trust_checkpoint)
-    structures = [i.structure for i in inputs]
+    num_parts, files = options.num_output_parts, []
+    sources = cut_model_parallel(inputs, groups, options, num_parts, flag=flag)
+    for q, (names, source) in enumerate(zip(_part_names(options, num_parts, paths), sources)):
+        if source.optim is not None:  # kept only as the parts are (see cut_model_parts), and the shards
+            check_per_rank_state(source.optim, source.model, options.num_output_shards, options.unflatten_weights)
+        files += [OutFile(name, m, tuple(output_tensors(source, options, m)), q, source)
+                  for m, name in enumerate(names)]
+    return _checked(Plan(options, tuple(inputs), files[0].source, tuple(files)))
+
+
+def cut_model_parallel(inputs: Sequence[InputFile], groups: Sequence[Sequence[str]], options: ReshardOptions,
+                       num_parts: int, *, flag: str = "--input-glob-pattern") -> list[Source]:
+    """The Source of each of `num_parts` output parts, from P parts x N files (their names `groups`, read part by
+    part as `inputs`), checked to be one save of one model that `num_parts` parts fit."""
+    structures, paths = [i.structure for i in inputs], [i.path for i in inputs]
     check_same_save(structures, paths)
     declared = cfg_value(structures[0].get("cfg"), "common", "model_parallel_size")
     if isinstance(declared, int) and declared > len(groups):
@@ -148,17 +162,10 @@ def plan_model_parallel(options: ReshardOptions, *, flag: str = "--input-glob-pa
     n = len(groups[0])  # files per part: every part has as many
     parts = [analyze_inputs(structures[q * n : (q + 1) * n], group, options, q * n) for q, group in enumerate(groups)]
     check_rank_order(structures, paths, len(groups))
-    models, optims, num_parts = [p.model for p in parts], [p.optim for p in parts], options.num_output_parts
+    models, optims = [p.model for p in parts], [p.optim for p in parts]
     shapes = global_shapes(models)
     check_parts_fit(shapes, num_parts, cfg_value(structures[0].get("cfg"), "model", "decoder_attention_heads"))
-    files = []
-    for q, names in enumerate(_part_names(options, num_parts, paths)):
-        source = Source(*cut_model_parts(models, optims, shapes, num_parts, q, structures))
-        if source.optim is not None:  # kept only as the parts are (see cut_model_parts), and the shards
-            check_per_rank_state(source.optim, source.model, options.num_output_shards, options.unflatten_weights)
-        files += [OutFile(name, m, tuple(output_tensors(source, options, m)), q, source)
-                  for m, name in enumerate(names)]
-    return _checked(Plan(options, tuple(inputs), files[0].source, tuple(files)))
+    return [Source(*cut_model_parts(models, optims, shapes, num_parts, q, structures)) for q in range(num_parts)]
 
 
 def _part_names(options: ReshardOptions, num_parts: int, inputs: Sequence[str]) -> list[list[str]]:

@@ -1,4 +1,4 @@
-"""Do two checkpoints hold the same model? Any sharding on either side, flat or unflattened.
+"""Do two checkpoints hold the same model? Any sharding on either side, flat or unflattened, any model parts.
 
     python -m metaseq.scripts.compare_checkpoints \\
       "ckpts/checkpoint_last-model_part-0-shard*.pt" out/reshard-model_part-0.pt
@@ -14,8 +14,9 @@ import sys
 
 from metaseq.cli_logging import OneLineErrorParser, run_cli
 from metaseq.errors import ReshardError, UserError
-from metaseq.file_io import find_shards
-from metaseq.reshard.compare import compare_tensor_sets, describe_comparison, open_tensor_set
+from metaseq.file_io import find_model_parts, find_shards, glob_files, model_part_number
+from metaseq.reshard.compare import (TensorSet, compare_tensor_sets, describe_comparison, open_model_parts,
+                                     open_tensor_set)
 
 __all__ = ["build_parser", "main"]
 
@@ -31,14 +32,19 @@ examples:
   python -m metaseq.scripts.compare_checkpoints \\
     "ckpts/checkpoint_last-model_part-0-shard*.pt" out/reshard-model_part-0.pt \\
     --skip-optimizer-state --atol 1e-3
+
+  # two model parts against the one part reshard_model_parallel merged them into
+  python -m metaseq.scripts.compare_checkpoints \
+    "ckpts/checkpoint_last-model_part-*-shard*.pt" "merged/checkpoint_last-model_part-0-shard*.pt"
 """
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrorParser(
         prog="python -m metaseq.scripts.compare_checkpoints",
-        description="Say whether two checkpoints of one model part hold the same model (and optimizer state, "
-        "if both have it), listing each differing tensor with its max abs difference.",
+        description="Say whether two checkpoints hold the same model (and optimizer state, if both have it), "
+        "listing each differing tensor with its max abs difference. A glob over several model parts "
+        "('model_part-*', or '{j}') is compared as the whole model, its cut parameters merged.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,
@@ -55,9 +61,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _resolve(pattern: str, side: str) -> list[str]:
+def _open(pattern: str, side: str, **options: bool) -> TensorSet:
+    """The checkpoint `pattern` matches: one model part's files, or every part's ('model_part-*' or '{j}')."""
     try:
-        return find_shards(pattern, flag="pattern")
+        pattern = pattern.replace("{j}", "*")
+        if len({model_part_number(path) for path in glob_files(pattern)}) > 1:
+            return open_model_parts(find_model_parts(pattern, flag="pattern"), **options)
+        return open_tensor_set(find_shards(pattern, flag="pattern"), **options)
     except UserError as e:
         raise ReshardError(f"{side}: {e}") from None
 
@@ -66,8 +76,7 @@ def _run(args: argparse.Namespace) -> int:
     if not args.atol >= 0:  # nan too
         raise ReshardError(f"--atol={args.atol}: must be a number at least 0")
     options = dict(trust=args.trust_checkpoint, skip_optimizer_state=args.skip_optimizer_state)
-    a = open_tensor_set(_resolve(args.a, "A"), **options)
-    b = open_tensor_set(_resolve(args.b, "B"), **options)
+    a, b = _open(args.a, "A", **options), _open(args.b, "B", **options)
     comparison = compare_tensor_sets(a, b, atol=args.atol)
     lines = describe_comparison(comparison, a, b)
     print("\n".join(lines[-1:] if args.quiet else lines))  # the CLI's answer, on stdout
