@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import io
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -22,7 +23,7 @@ from metaseq.errors import ReshardError
 from metaseq.file_io import load_checkpoint
 from metaseq.reshard import ReshardOptions, plan_reshard, reshard_shards
 from metaseq.reshard import distributed
-from metaseq.reshard.distributed import World, detect_world, first_slurm_host
+from metaseq.reshard.distributed import World, detect_world, first_slurm_host, slurm_rendezvous
 from metaseq.reshard.plan import expand_model_parts
 from metaseq.reshard.progress import Progress, make_progress
 from metaseq.reshard.write import list_jobs, write_outputs
@@ -218,6 +219,72 @@ def test_progress_totals_count_each_output_once() -> None:
 ])
 def test_launcher_world_is_read_from_the_environment(env: dict[str, str], expected: World | None) -> None:
     assert detect_world(env) == expected
+
+
+@pytest.mark.parametrize("env, words", [
+    ({"RANK": "2", "WORLD_SIZE": "2"}, "RANK=2 is not a rank of WORLD_SIZE=2 (0 to 1)"),
+    ({"RANK": "-1", "WORLD_SIZE": "2"}, "RANK=-1 is not a rank of WORLD_SIZE=2 (0 to 1)"),
+    ({"RANK": "0", "WORLD_SIZE": "two"}, "WORLD_SIZE='two' is not a whole number"),
+    ({"SLURM_PROCID": "4", "SLURM_NTASKS": "4", "SLURM_STEP_ID": "0"}, "SLURM_PROCID=4 is not a rank of SLURM_NTASKS=4"),
+])
+def test_a_launcher_environment_that_names_no_rank_is_refused(env: dict[str, str], words: str) -> None:
+    with pytest.raises(ReshardError, match=re.escape(words)):
+        detect_world(env)
+
+
+def test_srun_steps_of_one_job_meet_at_their_own_port() -> None:
+    step = {"SLURM_JOB_ID": "4242", "SLURM_STEP_NODELIST": "gpu[003-004]", "SLURM_STEP_ID": "0"}
+    first, second = slurm_rendezvous(step), slurm_rendezvous({**step, "SLURM_STEP_ID": "1"})
+    assert first["MASTER_ADDR"] == second["MASTER_ADDR"] == "gpu003" and first["MASTER_PORT"] != second["MASTER_PORT"]
+    assert 20000 <= int(first["MASTER_PORT"]) < 40000
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _rank(rank: int, cwd: Path, port: int, argv: list[str]) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port), "PYTHONPATH": str(REPO)}
+    return subprocess.Popen([sys.executable, *argv], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def test_ranks_that_see_other_files_under_the_same_names_are_refused(tmp_path: Path) -> None:
+    """Two nodes' local copies that are not one checkpoint (here: other cwds holding other runs): refused before
+    anything is written, on both ranks; copies of one checkpoint work."""
+    for rank, seeds in ((0, (0, 0)), (1, (0, 7))):
+        for name, seed in zip(("same", "other"), seeds):
+            write_shards(make_shards(make_model(seed=seed), 2), tmp_path / f"node{rank}" / name)
+    for name, rc in (("other", 2), ("same", 0)):
+        argv = ["-m", "metaseq.scripts.reshard_fsdp", "--input", f"{name}/{SHARD.format(0, '*')}", "--output",
+                f"out_{name}/s{{i}}.pt", "--num-output-shards", "4", "--quiet"]
+        port = _free_port()
+        procs = [_rank(r, tmp_path / f"node{r}", port, argv) for r in (0, 1)]
+        results = [(p.wait(timeout=300), p.stderr.read()) for p in procs]
+        assert [code for code, _ in results] == [rc, rc], results
+        if rc:
+            for _, err in results:
+                assert "rank 1 of 2 planned other inputs or outputs than rank 0" in _error_line(err), err
+            assert not list(tmp_path.glob("node*/out_other"))
+    assert sorted(p.name for p in (tmp_path / "node0" / "out_same").iterdir()) == ["s0.pt", "s2.pt"]
+
+
+def test_a_rank_that_dies_is_reported_in_one_line(parts_dir: Path, tmp_path: Path) -> None:
+    """Rank 1 joins and is gone before the ranks plan: rank 0 says so in one line and writes nothing."""
+    port = _free_port()
+    dies = ("import torch.distributed as dist, os\n"
+            "dist.init_process_group('gloo', init_method='env://', rank=1, world_size=2)\n"
+            "dist.new_group()\nos._exit(1)\n")
+    procs = [_rank(0, REPO, port, ["-m", "metaseq.scripts.reshard_fsdp", "--input", _pattern(parts_dir), "--output",
+                                   str(tmp_path / "out" / "s{i}.pt"), "--quiet"]),
+             _rank(1, REPO, port, ["-c", dies])]
+    code, err = procs[0].wait(timeout=300), procs[0].stderr.read()
+    procs[1].wait(timeout=60)
+    assert code == 2 and "rank 0 of 2: another rank stopped (killed?) before the ranks agreed" in _error_line(err)
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("nodelist, host", [("node7", "node7"), ("gpu[003-004,010],cpu1", "gpu003"),

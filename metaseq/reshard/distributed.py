@@ -6,7 +6,7 @@
 The ranks coordinate only through torch.distributed (gloo, `env://`). Every phase
 (planning, which each rank does itself, then writing and verifying) ends with an
 all_gather of the ranks' errors (`agree`), so a failure on any rank makes every rank
-raise the same message.
+raise the same message; `check_same` refuses ranks whose plans differ.
 """
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ from typing import Any, Callable, Mapping, TypeVar
 
 from metaseq.errors import ReshardError, one_line_error
 
-__all__ = ["World", "agree", "barrier", "close_world", "detect_world", "first_slurm_host", "open_world"]
+__all__ = ["World", "agree", "barrier", "check_same", "close_world", "detect_world", "first_slurm_host", "open_world",
+           "slurm_rendezvous"]
 
 T = TypeVar("T")
 # Collectives wait for the slowest rank's writes; a crashed rank is noticed sooner (closed connection).
@@ -44,18 +45,44 @@ def detect_world(env: Mapping[str, str] | None = None) -> World | None:
     """
     env = os.environ if env is None else env
     if "RANK" in env and "WORLD_SIZE" in env:
-        size = int(env["WORLD_SIZE"])
-        return World(int(env["RANK"]), size, int(env.get("LOCAL_WORLD_SIZE", 1))) if size > 1 else None
-    if "SLURM_PROCID" in env and "SLURM_STEP_ID" in env:
-        size = int(env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS") or 1)
-        return World(int(env["SLURM_PROCID"]), size, 1, "slurm") if size > 1 else None
-    return None
+        rank, size = _env_int(env, "RANK"), _env_int(env, "WORLD_SIZE")
+        world = World(rank, size, _env_int(env, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in env else 1)
+        names = ("RANK", "WORLD_SIZE")
+    elif "SLURM_PROCID" in env and "SLURM_STEP_ID" in env:
+        names = ("SLURM_PROCID", next((k for k in ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS") if env.get(k)), None))
+        world = World(_env_int(env, names[0]), _env_int(env, names[1]) if names[1] else 1, 1, "slurm")
+    else:
+        return None
+    if not 0 <= world.rank < world.size:
+        raise ReshardError(f"{names[0]}={world.rank} is not a rank of {names[1] or 'SLURM_NTASKS'}={world.size} "
+                           f"(0 to {world.size - 1}); launch with torchrun or srun, which set them")
+    return world if world.size > 1 else None
+
+
+def _env_int(env: Mapping[str, str], name: str) -> int:
+    try:
+        return int(env[name])
+    except ValueError:
+        raise ReshardError(f"{name}={env[name]!r} is not a whole number; launch with torchrun or srun, which set "
+                           "it") from None
 
 
 def first_slurm_host(nodelist: str) -> str:
     """The first host of a Slurm host list: `gpu[003-004,010],cpu1` -> `gpu003`."""
     first = re.match(r"[^,\[]*(?:\[[^\]]*\][^,\[]*)*", nodelist.strip()).group(0)
     return re.sub(r"\[([^\],-]+)[^\]]*\]", r"\1", first)
+
+
+def slurm_rendezvous(env: Mapping[str, str]) -> dict[str, str]:
+    """MASTER_ADDR and MASTER_PORT for an srun step, where its variables say: rank 0 runs on the step's first node;
+    the port comes from the job and step ids, so that steps of one job running at once do not meet."""
+    found, nodelist = {}, env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+    if nodelist:
+        found["MASTER_ADDR"] = first_slurm_host(nodelist)
+    job, step = env.get("SLURM_JOB_ID", ""), env.get("SLURM_STEP_ID", "")
+    if job.isdigit():
+        found["MASTER_PORT"] = str(20000 + (int(job) * 1000 + (int(step) if step.isdigit() else 0)) % 20000)
+    return found
 
 
 def open_world(world: World) -> bool:
@@ -68,12 +95,9 @@ def open_world(world: World) -> bool:
                                f"{world.size}")
         return False
     env = os.environ
-    if world.launcher == "slurm":  # rank 0 runs on the step's first node; a port from the job id
-        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
-        if nodelist:
-            env.setdefault("MASTER_ADDR", first_slurm_host(nodelist))
-        if env.get("SLURM_JOB_ID", "").isdigit():
-            env.setdefault("MASTER_PORT", str(20000 + int(env["SLURM_JOB_ID"]) % 20000))
+    if world.launcher == "slurm":
+        for key, value in slurm_rendezvous(env).items():
+            env.setdefault(key, value)
     missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not env.get(k)]
     if missing:
         raise ReshardError(f"{world.launcher} rank {world.rank} of {world.size}: {' and '.join(missing)} not set; "
@@ -83,10 +107,13 @@ def open_world(world: World) -> bool:
         dist.init_process_group("gloo", init_method="env://", rank=world.rank, world_size=world.size,
                                 timeout=JOIN_TIMEOUT)
     except RuntimeError as e:  # torch's DistStoreError or DistNetworkError
-        waited = f"{JOIN_TIMEOUT.total_seconds():.0f} s"
+        where, text = f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}", one_line_error(e)
+        if "in use" in text.lower():
+            raise ReshardError(f"{world.launcher} rank {world.rank} of {world.size}: port {where} is in use (another "
+                               f"run?) ({text}); export MASTER_PORT with a free port") from None
         raise ReshardError(f"{world.launcher} rank {world.rank} of {world.size}: the ranks did not all join at "
-                           f"{env['MASTER_ADDR']}:{env['MASTER_PORT']} within {waited} ({one_line_error(e)}); "
-                           f"check that all {world.size} started and reach rank 0's host") from None
+                           f"{where} within {JOIN_TIMEOUT.total_seconds():.0f} s ({text}); check that all "
+                           f"{world.size} started and reach rank 0's host") from None
     _group = dist.new_group(timeout=TIMEOUT)
     return True
 
@@ -114,12 +141,29 @@ def agree(world: World | None, fn: Callable[[], T]) -> T:
     except Exception as e:  # noqa: BLE001 -- reported on every rank
         error = f"rank {world.rank} of {world.size}: {one_line_error(e)}"
     errors: list = [None] * world.size
-    dist.all_gather_object(errors, error, group=_group)
+    try:
+        dist.all_gather_object(errors, error, group=_group)
+    except RuntimeError as e:  # gloo: "Connection closed by peer"
+        raise ReshardError(f"rank {world.rank} of {world.size}: another rank stopped (killed?) before the ranks "
+                           f"agreed ({one_line_error(e)[:200]}); see its log, then run again") from None
     failed = [e for e in errors if e is not None]
     if failed:
         more = f" (and {len(failed) - 1} more rank(s) failed)" if len(failed) > 1 else ""
         raise ReshardError(failed[0] + more)
     return value
+
+
+def check_same(world: World | None, value: Any, what: str) -> None:
+    """Refuse a run whose ranks hold different `value`s; `what` says what differs and the fix."""
+    if world is None or world.size == 1:
+        return
+    import torch.distributed as dist
+
+    values: list = [None] * world.size
+    dist.all_gather_object(values, value, group=_group)
+    other = next((r for r, v in enumerate(values) if v != values[0]), None)
+    if other is not None:
+        raise ReshardError(f"rank {other} of {world.size} {what}")
 
 
 def barrier() -> None:

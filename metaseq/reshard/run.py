@@ -15,14 +15,14 @@ from __future__ import annotations
 import logging
 from typing import Any, Mapping, Sequence
 
-from metaseq.errors import ReshardError
+from metaseq.errors import CheckpointLoadError, ReshardError
 from metaseq.reshard import distributed as dist_run
 from metaseq.reshard.distributed import World
 from metaseq.reshard.options import ReshardOptions
 from metaseq.reshard.plan import InputFile, Plan, assemble_output, plan_reshard, plan_structures, summarize_plan
 from metaseq.reshard.progress import make_progress
 from metaseq.reshard.write import available_cpus, list_jobs, missing_folders, remove_outputs, write_outputs
-from metaseq.torchzip import from_torch, to_torch
+from metaseq.torchzip import NeedsTorch, from_torch, to_torch, zip_records
 
 __all__ = ["reshard", "reshard_fsdp_checkpoints", "reshard_shards"]
 
@@ -38,11 +38,28 @@ def reshard(options: ReshardOptions, *, world: World | None = None) -> list[Plan
     created = world is not None and dist_run.open_world(world)
     try:
         plans = dist_run.agree(world, lambda: plan_reshard(options))
+        dist_run.check_same(world, _contents(plans), "planned other inputs or outputs than rank 0 (other files under "
+                            "the same names: node-local copies of another checkpoint, or another working folder?); "
+                            "give every rank the same files and names")
         if not options.dry_run:
             _write_and_verify(world or World(0, 1), plans, options)
         return plans
     finally:
         dist_run.close_world(created)
+
+
+def _contents(plans: Sequence[Plan]) -> list:
+    """What every rank must plan alike: the output names and each input's content, as the CRC32s of its zip
+    directory say (copies of one checkpoint on each node agree; files of other saves do not)."""
+    found = []
+    for plan in plans:
+        found += [out.path for out in plan.outputs]
+        for i in plan.inputs:
+            try:
+                found.append((i.size, sorted(r.crc for r in zip_records(i.path).values())))
+            except (NeedsTorch, CheckpointLoadError):  # torch's legacy format: its size
+                found.append((i.size, []))
+    return found
 
 
 def _write_and_verify(world: World, plans: Sequence[Plan], options: ReshardOptions) -> None:
@@ -69,8 +86,9 @@ def _write_and_verify(world: World, plans: Sequence[Plan], options: ReshardOptio
         if options.verify:  # on failure `verify_reshard_outputs` removes that part's outputs
             for report in dist_run.agree(world, lambda: [verify_reshard_outputs(p) for p in shared]):
                 logger.info("%s", report)
-    except BaseException as e:
-        remove_outputs(written, folders=folders)
+    except BaseException as e:  # also what a killed rank left: its temp files, and (none were there before) outputs
+        planned = [j.out.path for j in jobs]
+        remove_outputs(written if options.overwrite else planned, planned=planned, folders=folders)
         if world.size > 1 and isinstance(e, ReshardError):  # raised by `agree` on every rank alike
             dist_run.barrier()  # no rank exits (and gets the launcher to kill the rest) before all have cleaned up
         raise
