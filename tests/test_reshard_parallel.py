@@ -225,7 +225,8 @@ def test_launcher_world_is_read_from_the_environment(env: dict[str, str], expect
     ({"RANK": "2", "WORLD_SIZE": "2"}, "RANK=2 is not a rank of WORLD_SIZE=2 (0 to 1)"),
     ({"RANK": "-1", "WORLD_SIZE": "2"}, "RANK=-1 is not a rank of WORLD_SIZE=2 (0 to 1)"),
     ({"RANK": "0", "WORLD_SIZE": "two"}, "WORLD_SIZE='two' is not a whole number"),
-    ({"SLURM_PROCID": "4", "SLURM_NTASKS": "4", "SLURM_STEP_ID": "0"}, "SLURM_PROCID=4 is not a rank of SLURM_NTASKS=4"),
+    ({"SLURM_PROCID": "4", "SLURM_NTASKS": "4", "SLURM_STEP_ID": "0"},
+     "SLURM_PROCID=4 is not a rank of SLURM_NTASKS=4"),
 ])
 def test_a_launcher_environment_that_names_no_rank_is_refused(env: dict[str, str], words: str) -> None:
     with pytest.raises(ReshardError, match=re.escape(words)):
