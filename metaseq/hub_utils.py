@@ -89,6 +89,9 @@ class GenerationConfig:
         if not 0 < self.temperature < math.inf:
             fix = "for the argmax, leave out --sampling" if self.sampling else "it applies only with --sampling"
             raise ValueError(f"--temperature={self.temperature} must be a finite number > 0 ({fix})")
+        if not 1e-6 <= self.temperature <= 1e6:  # float32 logits / temperature stay finite
+            raise ValueError(f"--temperature={self.temperature} must be from 1e-06 to 1e+06 (below: leave out "
+                             "--sampling for the argmax; above: every token is about equally likely)")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"--top-p={self.top_p} must be in (0, 1]")
         if not -(2**63) <= self.seed < 2**64:

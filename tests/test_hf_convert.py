@@ -218,6 +218,11 @@ def _int8_weights(folder):
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
+def _float64_weights(folder):  # would convert, but not back
+    save_file({k: v.double() for k, v in hf_tensors(folder).items()}, str(folder / "model.safetensors"),
+              metadata={"format": "pt"})
+
+
 def _untie_head(folder):
     state = hf_tensors(folder)
     state["lm_head.weight"] = state["model.decoder.embed_tokens.weight"] + 1
@@ -230,6 +235,7 @@ def _untie_head(folder):
     (_mix_dtypes, "the weights mix dtypes: 26 float16 .*, 10 float32 .*layer_norm"),
     (lambda f: (f / "model.safetensors").unlink(), "no weights there"),
     (_int8_weights, "the weights are int8, not floating point .*; save the model in float32, float16 or bfloat16"),
+    (_float64_weights, "the weights are float64, which the export back to HF does not take; save the model in"),
     (_bad_config("tie_word_embeddings", False), "tie_word_embeddings=False .*not tied"),
     (_untie_head, "'lm_head.weight' differs from the token embedding"),
     (_bad_config("activation_function", "gelu"), "activation_function='gelu'"),

@@ -100,6 +100,8 @@ def test_flat_checkpoint_gives_one_line_error_not_traceback(memorized, tmp_path)
         (["--top-p", "1.5"], "--top-p=1.5 must be in (0, 1]"),
         (["--sampling", "--temperature", "nan"], "--temperature=nan must be a finite number > 0"),
         (["--sampling", "--temperature", "inf"], "--temperature=inf must be a finite number > 0"),
+        (["--sampling", "--temperature", "1e-39"], "--temperature=1e-39 must be from 1e-06 to 1e+06"),
+        (["--sampling", "--temperature", "1e39"], "--temperature=1e+39 must be from 1e-06 to 1e+06"),
         (["--temperature", "0"], "it applies only with --sampling"),
         (["--sampling", "--seed", str(2**64)], f"--seed={2**64} does not fit in 64 bits; give one from -2**63 to"),
         (["--sampling", "--seed", str(-2**63 - 1)], "does not fit in 64 bits; give one from -2**63 to 2**64 - 1"),

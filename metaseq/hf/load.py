@@ -19,7 +19,7 @@ from typing import Any, Mapping
 import torch
 
 from metaseq.file_io import atomic_torch_save
-from metaseq.hf.config import model_config_from_hf
+from metaseq.hf.config import DTYPE_NAMES, model_config_from_hf
 from metaseq.hf.errors import ConversionError
 from metaseq.hf.fsdp_layout import fsdp_shard_metadata
 from metaseq.hf.names import check_state_matches_model, from_hf_state_dict
@@ -181,10 +181,11 @@ def check_one_dtype(state: Mapping[str, torch.Tensor], *, source: str) -> None:
                            sorted(by_dtype.items(), key=lambda item: -len(item[1])))
         raise ConversionError(f"{source}: the weights mix dtypes: {counts}; weights keep their dtype, so save the "
                               "model in one first, e.g. model.to(torch.float16).save_pretrained(DIR)")
-    if by_dtype and not next(iter(by_dtype)).is_floating_point:  # quantized (int8) weights, or not weights at all
-        dtype = str(next(iter(by_dtype))).replace("torch.", "")
-        raise ConversionError(f"{source}: the weights are {dtype}, not floating point (quantized?); save the model "
-                              "in float32, float16 or bfloat16 first")
+    if by_dtype and next(iter(by_dtype)) not in DTYPE_NAMES:  # quantized (int8) weights, float64, or not weights
+        dtype = next(iter(by_dtype))
+        kind = "" if dtype.is_floating_point else ", not floating point (quantized?)"
+        raise ConversionError(f"{source}: the weights are {str(dtype).replace('torch.', '')}{kind}, which the "
+                              "export back to HF does not take; save the model in float32, float16 or bfloat16 first")
 
 
 def _cfg(config: ModelConfig, source: str) -> dict[str, Any]:
