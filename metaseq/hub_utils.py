@@ -31,7 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from metaseq.errors import UserError
-from metaseq.file_io import find_shards, folder_hint, glob_files, is_glob, load_checkpoint, shard_glob
+from metaseq.file_io import (find_shards, folder_hint, glob_files, is_glob, load_checkpoint, model_part_number,
+                             shard_glob)
 from metaseq.hf.errors import ConversionError
 from metaseq.hf.names import check_whole_model, upstream_state_for_model
 from metaseq.hf.tokenization import ByteTokenizer, TextTokenizer
@@ -151,7 +152,7 @@ def _model_parts_pattern(path: str) -> str | None:
     pattern = path.replace("{j}", "*")
     if not is_glob(path) and not os.path.isfile(path) and "{j}" not in path:
         pattern = shard_glob(path, "*")  # a stem such as DIR/checkpoint_last.pt: every part's shards
-    parts = {m.group(1) for p in glob_files(pattern) if (m := re.search(r"model_part-(\d+)", os.path.basename(p)))}
+    parts = {model_part_number(p) for p in glob_files(pattern)} - {None}
     return pattern if "{j}" in path or len(parts) > 1 else None
 
 

@@ -20,7 +20,7 @@ from typing import Any, Mapping
 
 import torch
 
-from metaseq.file_io import folder_hint, glob_files, is_glob
+from metaseq.file_io import folder_hint, glob_files, is_glob, model_part_number
 from metaseq.hf.config import DTYPE_NAMES, hf_config, hf_generation_config
 from metaseq.hf.errors import ConversionError
 from metaseq.hf.names import check_whole_model, split_fused_qkv, to_hf_state_dict, upstream_state_for_model
@@ -36,7 +36,6 @@ __all__ = ["convert_to_hf", "hf_tensors_from_checkpoint", "input_files", "write_
 
 logger = logging.getLogger(__name__)
 
-_PART = re.compile(r"model_part-(\d+)")
 _WRAPPERS = re.compile(r"(^|\.)(_fsdp_wrapped_module|_fpw_module)\.")
 SAFETENSORS_NAME = "model.safetensors"
 
@@ -83,7 +82,7 @@ def input_files(input_path: str) -> list[str]:
         files = glob_files(input_path)
         if not files:
             raise ConversionError(f"--input {input_path!r} matches no files")
-        parts = sorted({int(m.group(1)) for p in files if (m := _PART.search(os.path.basename(p)))})
+        parts = sorted({model_part_number(p) for p in files} - {None})
         if len(parts) > 1:
             raise ConversionError(f"--input {input_path!r} matches model parts {parts} of a model-parallel "
                                   f"checkpoint; export needs the whole model in one part: merge them first with "

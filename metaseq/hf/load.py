@@ -181,8 +181,8 @@ def check_one_dtype(state: Mapping[str, torch.Tensor], *, source: str) -> None:
                            sorted(by_dtype.items(), key=lambda item: -len(item[1])))
         raise ConversionError(f"{source}: the weights mix dtypes: {counts}; weights keep their dtype, so save the "
                               "model in one first, e.g. model.to(torch.float16).save_pretrained(DIR)")
-    if by_dtype and next(iter(by_dtype)) not in DTYPE_NAMES:  # quantized (int8) weights, float64, or not weights
-        dtype = next(iter(by_dtype))
+    dtype = next(iter(by_dtype), None)
+    if dtype is not None and dtype not in DTYPE_NAMES:  # quantized (int8) weights, float64, or not weights
         kind = "" if dtype.is_floating_point else ", not floating point (quantized?)"
         raise ConversionError(f"{source}: the weights are {str(dtype).replace('torch.', '')}{kind}, which the "
                               "export back to HF does not take; save the model in float32, float16 or bfloat16 first")

@@ -153,14 +153,14 @@ def agree(world: World | None, fn: Callable[[], T]) -> T:
     return value
 
 
-def check_same(world: World | None, value: Any, what: str) -> None:
-    """Refuse a run whose ranks hold different `value`s; `what` says what differs and the fix."""
+def check_same(world: World | None, value: Callable[[], Any], what: str) -> None:
+    """Refuse a run whose ranks get different `value()`s (not called alone); `what` says what differs, and the fix."""
     if world is None or world.size == 1:
         return
     import torch.distributed as dist
 
     values: list = [None] * world.size
-    dist.all_gather_object(values, value, group=_group)
+    dist.all_gather_object(values, value(), group=_group)
     other = next((r for r, v in enumerate(values) if v != values[0]), None)
     if other is not None:
         raise ReshardError(f"rank {other} of {world.size} {what}")

@@ -72,7 +72,7 @@ def cut_model_parts(parts: Sequence[ModelLayout], optims: Sequence[OptimLayout |
     `shapes` are the parts' `global_shapes`; `structures` the inputs' objects, to compare replicated tensors. With
     as many parts as the inputs, part j is input part j: its replicated tensors, scalars and other objects."""
     cut, first = _Cutter(parts, shapes, num_parts, part, structures), parts[0]
-    own = part if num_parts == len(parts) else 0
+    own = cut.own or 0  # the input part whose objects this part keeps
     model = dataclasses.replace(
         first, labels=tuple(label for p in parts for label in p.labels),
         flat_params=tuple(cut.flat_param(fp) for fp in first.flat_params), first=parts[own].first,

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from metaseq.errors import ReshardError, UserError
-from metaseq.file_io import find_model_parts, find_shards, load_checkpoint, natural_sort_key, summarize_paths
+from metaseq.file_io import (find_model_parts, find_shards, load_checkpoint, model_part_number, natural_sort_key,
+                             summarize_paths)
 from metaseq.reshard.layout import ModelLayout, ParamDict, analyze_model, output_cuts, output_metadata
 from metaseq.reshard.optim import (OptimLayout, analyze_optimizer, assemble_consolidated_optimizer,
                                    assemble_flat_optimizer, check_per_rank_state, optimizer_targets)
@@ -474,8 +475,7 @@ def _cfg_for_output(cfg: Mapping[str, Any], options: ReshardOptions, out: OutFil
     if parts is None:  # reshard_fsdp: the parts stay as they are
         declared = cfg_value(cfg, "common", "model_parallel_size")
         parts = declared if type(declared) is int and declared > 0 else 1
-        found = re.search(r"model_part-(\d+)", os.path.basename(path0))
-        part = int(found.group(1)) if found else 0
+        part = model_part_number(path0) or 0
     updates = {("distributed_training", "distributed_world_size"): parts * options.num_output_shards}
     if part < parts:
         updates["distributed_training", "distributed_rank"] = out.rank * parts + part

@@ -38,7 +38,7 @@ def reshard(options: ReshardOptions, *, world: World | None = None) -> list[Plan
     created = world is not None and dist_run.open_world(world)
     try:
         plans = dist_run.agree(world, lambda: plan_reshard(options))
-        dist_run.check_same(world, _contents(plans), "planned other inputs or outputs than rank 0 (other files under "
+        dist_run.check_same(world, lambda: _contents(plans), "planned other inputs or outputs than rank 0 (other files under "
                             "the same names: node-local copies of another checkpoint, or another working folder?); "
                             "give every rank the same files and names")
         if not options.dry_run:

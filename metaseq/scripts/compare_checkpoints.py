@@ -34,7 +34,7 @@ examples:
     --skip-optimizer-state --atol 1e-3
 
   # two model parts against the one part reshard_model_parallel merged them into
-  python -m metaseq.scripts.compare_checkpoints \
+  python -m metaseq.scripts.compare_checkpoints \\
     "ckpts/checkpoint_last-model_part-*-shard*.pt" "merged/checkpoint_last-model_part-0-shard*.pt"
 """
 
