@@ -327,32 +327,48 @@ def test_checkpoints_of_the_earlier_variant_are_refused_for_export(tmp_path, cap
     assert not (tmp_path / "back").exists()
 
 
-def test_sharded_safetensors_and_pytorch_bin_without_prefix_convert_alike(tmp_path):
+def test_sharded_safetensors_pytorch_bin_and_sharded_bin_without_prefix_convert_alike(tmp_path):
     make_hf_model(tmp_path / "hf")
     state = hf_tensors(tmp_path / "hf")
     names = sorted(state)
-    sharded = tmp_path / "sharded"
-    sharded.mkdir()
-    (sharded / "config.json").write_text((tmp_path / "hf" / "config.json").read_text())
-    halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
-    for file_name, keys in halves.items():
-        save_file({k[len("model."):]: state[k] for k in keys}, str(sharded / file_name), metadata={"format": "pt"})
-    index = {"metadata": {}, "weight_map": {k[len("model."):]: f for f, keys in halves.items() for k in keys}}
-    (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
-    binary = tmp_path / "bin"
-    binary.mkdir()
-    (binary / "config.json").write_text((tmp_path / "hf" / "config.json").read_text())
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    halves = {"model-00001-of-00002": names[::2], "model-00002-of-00002": names[1::2]}
+    folders = {kind: tmp_path / kind for kind in ("sharded", "bin", "sharded_bin")}
+    for kind, folder in folders.items():
+        folder.mkdir()
+        # null: transformers reads it as hidden_size (as some hub configs have it)
+        (folder / "config.json").write_text(json.dumps({**config, "word_embed_proj_dim": None}))
+    for stem, keys in halves.items():
+        save_file({k[len("model."):]: state[k] for k in keys}, str(folders["sharded"] / f"{stem}.safetensors"),
+                  metadata={"format": "pt"})
+        torch.save({k: state[k] for k in keys}, folders["sharded_bin"] / f"{stem}.bin")
+    for kind, (index, ext) in {"sharded": ("model.safetensors.index.json", "safetensors"),
+                               "sharded_bin": ("pytorch_model.bin.index.json", "bin")}.items():
+        prefix = len("model.") if kind == "sharded" else 0
+        weight_map = {k[prefix:]: f"{stem}.{ext}" for stem, keys in halves.items() for k in keys}
+        (folders[kind] / index).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     stored = {**state, "lm_head.weight": state["model.decoder.embed_tokens.weight"].clone()}
     fc1, q, k = (f"model.decoder.layers.0.{n}.weight" for n in ("fc1", "self_attn.q_proj", "self_attn.k_proj"))
     stored[fc1] = state[fc1].t().contiguous().t()  # column-major, as a transposed-and-saved weight is
     stored[q], stored[k] = torch.cat([state[q], state[k]]).split(len(state[q]))  # views of one fused storage
-    torch.save(stored, binary / "pytorch_model.bin")
-    for folder in (sharded, binary):
+    torch.save(stored, folders["bin"] / "pytorch_model.bin")
+    for folder in folders.values():
         out = tmp_path / f"{folder.name}.pt"
         assert convert_from_hf.main(["--input", str(folder), "--output-shard-name", str(out), "--unflatten-weights",
                                      "-q"]) == 0
         assert convert_to_hf.main(["--input", str(out), "--output", str(tmp_path / f"{folder.name}_back"), "-q"]) == 0
         assert_same_tensors(state, hf_tensors(tmp_path / f"{folder.name}_back"))
+
+
+def test_sharded_index_naming_a_missing_file_is_refused_in_one_line(tmp_path, capsys):
+    make_hf_model(tmp_path / "hf")
+    (tmp_path / "hf" / "model.safetensors").unlink()
+    (tmp_path / "hf" / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": {"a": "part-1.bin"}}))
+    code, err = _run_cli(convert_from_hf, ["--input", str(tmp_path / "hf"), "--output-shard-name",
+                                           str(tmp_path / "out.pt"), "--unflatten-weights"], capsys)
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "pytorch_model.bin.index.json names" in err and "part-1.bin, which does not exist" in err
+    assert not (tmp_path / "out.pt").exists()
 
 
 def _upstream_cfg(hf_cfg, **changes):

@@ -88,7 +88,7 @@ def model_config_from_hf(hf: Mapping[str, Any], *, source: str) -> ModelConfig:
         if found != value:
             raise ConversionError(f"{source}: {name}={found!r} means {what}, which is not supported (needs {value!r})")
     dim = _int_field(hf, "hidden_size", source)
-    proj = hf.get("word_embed_proj_dim", dim)
+    proj = dim if hf.get("word_embed_proj_dim") is None else hf["word_embed_proj_dim"]  # null: transformers' default
     if proj != dim:
         raise ConversionError(
             f"{source}: word_embed_proj_dim={proj} differs from hidden_size={dim} (OPT-350m's project_in/"

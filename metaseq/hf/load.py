@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 SAFETENSORS = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 PYTORCH_BIN = "pytorch_model.bin"
+PYTORCH_BIN_INDEX = "pytorch_model.bin.index.json"
 
 
 def convert_from_hf(
@@ -81,8 +82,8 @@ def _output_paths(name: str, count: int, unflatten: bool, overwrite: bool, input
 
 
 def read_hf_folder(folder: str | os.PathLike) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """(config.json as a dict, every weight by its HF name) from `model.safetensors`, a sharded
-    safetensors index (`model.safetensors.index.json`) or `pytorch_model.bin`."""
+    """(config.json as a dict, every weight by its HF name) from `model.safetensors` or `pytorch_model.bin`, or the
+    files a sharded checkpoint's index names (`model.safetensors.index.json`, `pytorch_model.bin.index.json`)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise ConversionError(f"--input {folder}: no such folder")
@@ -103,19 +104,22 @@ def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
     if (folder / SAFETENSORS).is_file():
         return _read_safetensors([folder / SAFETENSORS])
     if (folder / SAFETENSORS_INDEX).is_file():
-        return _read_safetensors(_index_files(folder))
+        return _read_safetensors(_index_files(folder / SAFETENSORS_INDEX))
     if (folder / PYTORCH_BIN).is_file():
         return _read_pytorch_bin(folder / PYTORCH_BIN)
-    raise ConversionError(f"--input {folder}: no weights there ({SAFETENSORS}, {SAFETENSORS_INDEX} or {PYTORCH_BIN})")
+    if (folder / PYTORCH_BIN_INDEX).is_file():
+        return {k: v for path in _index_files(folder / PYTORCH_BIN_INDEX) for k, v in _read_pytorch_bin(path).items()}
+    raise ConversionError(f"--input {folder}: no weights there ({SAFETENSORS}, {PYTORCH_BIN} or their sharded "
+                          f"indexes {SAFETENSORS_INDEX}, {PYTORCH_BIN_INDEX})")
 
 
-def _index_files(folder: Path) -> list[Path]:
-    index_path = folder / SAFETENSORS_INDEX
+def _index_files(index_path: Path) -> list[Path]:
+    """The weight files a sharded checkpoint's index names, each once, in the index's order."""
     try:
         weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
-    except (ValueError, KeyError, TypeError) as e:
-        raise ConversionError(f"{index_path}: no valid 'weight_map' ({e})") from None
-    files = [folder / name for name in dict.fromkeys(weight_map.values())]
+        files = [index_path.parent / name for name in dict.fromkeys(weight_map.values())]
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ConversionError(f"{index_path}: no valid 'weight_map' ({type(e).__name__}: {e})") from None
     missing = [str(f) for f in files if not f.is_file()]
     if missing:
         raise ConversionError(f"{index_path} names {missing[0]}, which does not exist; is the download complete?")

@@ -28,8 +28,8 @@ examples:
   python -m metaseq.scripts.convert_from_hf --input hf_model \\
     --output-shard-name out/reshard-model_part-0.pt --num-output-shards 1 --unflatten-weights True
 
-DIR holds config.json and model.safetensors (or a sharded model.safetensors.index.json, or
-pytorch_model.bin); weight names may or may not start with 'model.'; an lm_head must equal the
+DIR holds config.json and model.safetensors or pytorch_model.bin (or a sharded
+model.safetensors.index.json or pytorch_model.bin.index.json and its files); weight names may or may not start with 'model.'; an lm_head must equal the
 token embedding. Weights keep their bytes and dtype. Refused, with nothing written: a missing
 config.json or weights, weights of several dtypes (fp16 with fp32 LayerNorms), untied heads,
 activations other than ReLU, post-LayerNorm (OPT-350m, word_embed_proj_dim != hidden_size)
