@@ -523,10 +523,17 @@ def _runs(copies: Sequence[Copy], where: Callable[[Copy], tuple[int, ...]]) -> I
 
 
 def _cast(data: bytes | memoryview, src: DType, dst: DType) -> bytes:
+    """`data`'s elements cast; raises OverflowError where a finite value would become inf (beyond float16's range)."""
     import torch  # only casting needs it
 
     values = torch.frombuffer(bytearray(data), dtype=getattr(torch, src.name))
-    return values.to(getattr(torch, dst.name)).view(torch.uint8).numpy().tobytes()
+    out = values.to(getattr(torch, dst.name))
+    if dst.is_floating_point and out.numel() and not out.abs().max() < math.inf:  # an inf or NaN: which? (slower)
+        grown = out.isinf() & values.isfinite()
+        if grown.any():
+            raise OverflowError(f"{int(grown.sum())} finite {src.name} value(s) up to {values[grown].abs().max():.6g} "
+                                f"would become inf in {dst.name}")
+    return out.view(torch.uint8).numpy().tobytes()
 
 
 def to_torch(obj: Any, storages: dict[Any, Any] | None = None, *, mmap: bool = False) -> Any:

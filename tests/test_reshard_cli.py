@@ -147,6 +147,28 @@ def test_drop_metaseq_req_and_dtype_reach_the_file(shard_dir: Path, tmp_path: Pa
     assert got["last_optimizer_state"]["state"][0]["exp_avg"].dtype == torch.float32
 
 
+def test_fp16_cast_that_would_make_inf_is_refused_and_writes_nothing(tmp_path: Path, capsys) -> None:
+    model = make_model()
+    model.params["decoder.layers.0.fc2.bias"][1] = 70000.0  # beyond float16's 65504
+    model.params["decoder.layers.1.scale"][0] = float("inf")  # inf already: stays inf, not refused
+    write_shards(make_shards(model, 2), tmp_path / "ckpts")
+    out = tmp_path / "out" / "s{i}.pt"
+    assert main(["--input", _pattern(tmp_path / "ckpts"), "--output", str(out), "--num-output-shards", "3",
+                 "--output-dtype", "fp16"]) == 2
+    line = _error_line(capsys)
+    assert "--output-dtype: 1 finite float32 value(s) up to 70000 would become inf in float16" in line, line
+    assert "use --output-dtype bf16" in line and f"{tmp_path / 'out' / 's'}" in line
+    assert not (tmp_path / "out").exists() or not _files(tmp_path / "out")
+    assert main(["--input", _pattern(tmp_path / "ckpts"), "--output", str(out), "--num-output-shards", "3",
+                 "--output-dtype", "bf16"]) == 0
+    model.params["decoder.layers.0.fc2.bias"][1] = 60000.0
+    write_shards(make_shards(model, 2), tmp_path / "ckpts2")
+    assert main(["--input", _pattern(tmp_path / "ckpts2"), "--output", str(tmp_path / "u.pt"), "--unflatten-weights",
+                 "--output-dtype", "fp16"]) == 0
+    got = load_checkpoint(tmp_path / "u.pt")["model"]
+    assert got["decoder.layers.0.fc2.bias"][1] == 60000.0 and got["decoder.layers.1.scale"][0] == float("inf")
+
+
 def test_help_has_examples(capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["--help"])

@@ -103,6 +103,9 @@ def _write_one(job: Job, crc32: bool, report: object) -> int:
             size = write_checkpoint(f.fileno(), obj, crc32=crc32, report=report)
             _check_unchanged(job.plan)
             return size
+    except OverflowError as e:  # from a cast: torch would have written inf
+        raise ReshardError(f"{job.out.path}: --output-dtype: {e}; use --output-dtype bf16 (float32's range) or keep "
+                           "the dtype") from None
     except OSError as e:
         raise ReshardError(f"{job.out.path}: cannot write ({e.strerror or e})") from e
 

@@ -73,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_bool_flag(parser, "skip-optimizer-state", "drop last_optimizer_state from the outputs")
     add_bool_flag(parser, "unflatten-weights", "write original parameter names and shapes (needs M = 1)")
     parser.add_argument("--output-dtype", choices=sorted(DTYPES), default=None,
-                        help="cast floating-point model weights and buffers (never optimizer state)")
+                        help="cast floating-point model weights and buffers (never optimizer state); refused "
+                        "where a finite value would become inf (beyond fp16's +-65504)")
     parser.add_argument("--drop-metaseq-req", action="store_true",
                         help="set extra_state['train_iterator'] to None (the data position)")
     parser.add_argument("--overwrite", action="store_true", help="replace existing output files")
