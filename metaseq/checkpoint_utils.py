@@ -16,18 +16,20 @@ import os
 import re
 from argparse import Namespace
 from collections import Counter
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple
 
 import torch
 
 from metaseq.distributed.fsdp import lazy_init_all
 from metaseq.errors import UserError
-from metaseq.file_io import (atomic_torch_save, checkpoint_prefix, folder_hint, glob_files, is_glob, load_checkpoint,
-                             natural_sort_key, shard_file_name, shard_glob)
-from metaseq.reshard.layout import analyze_model
+from metaseq.file_io import (atomic_torch_save, check_no_broken_links, checkpoint_prefix, folder_hint, glob_files,
+                             is_glob, load_checkpoint, natural_sort_key, shard_file_name, shard_glob)
+from metaseq.reshard.layout import analyze_model, missing_shards_hint
+from metaseq.reshard.model_parallel import global_shapes
+from metaseq.reshard.optim import analyze_optimizer
 from metaseq.reshard.plan import check_rank_order, check_same_save, read_inputs, saved_at
 from metaseq.reshard.schema import cfg_value, is_tensor
-from metaseq.torchzip import Opaque
+from metaseq.torchzip import Opaque, Size, read_checkpoint
 
 __all__ = [
     "RestoreError",
@@ -85,13 +87,23 @@ def build_training_checkpoint(
 
 
 def save_training_checkpoint(
-    state: dict[str, Any], save_dir: str, *, rank: int, num_updates: int, model_part: int = 0
+    state: dict[str, Any], save_dir: str, *, rank: int, num_updates: int, model_part: int = 0,
+    wait: Callable[[], None] = lambda: None,
 ) -> list[str]:
-    """Write `checkpoint_{n}-...` and `checkpoint_last-...` of this shard (`rank`: the data-parallel rank), atomically."""
+    """Write `checkpoint_{n}-...`, then `wait()` (for every rank's), then `checkpoint_last-...` of this shard (`rank`:
+    the data-parallel rank), each atomically: a save that fails on any rank leaves checkpoint_last as it was.
+    A write error is raised as an OSError naming the file."""
     paths = []
-    for prefix in _checkpoint_names(num_updates):
+    for step, prefix in enumerate(_checkpoint_names(num_updates)):
         path = os.path.join(save_dir, shard_file_name(prefix, model_part, rank))
-        atomic_torch_save(state, path)
+        if step:
+            wait()
+        try:
+            atomic_torch_save(state, path)
+        except OSError as e:
+            raise OSError(e.errno, f"{path}: cannot save it ({e.strerror or e}); checkpoint_last is left at the "
+                          "last complete save: free space there (or give another --save-dir) and restore from it"
+                          ) from None
         paths.append(path)
     return paths
 
@@ -153,6 +165,8 @@ class Restored(NamedTuple):
     num_updates: int  # the update the files were saved at
     cfg: Mapping[str, Any]  # input 0's
     model_cfg: Mapping[str, Any] | Namespace  # cfg['model'], as ModelConfig.from_dict takes it
+    shapes: Mapping[str, Size]  # every parameter's global shape (all model parts together), and every buffer's
+    samples_seen: int | None  # the data position (extra_state['train_iterator']); None: not there
 
 
 def read_restore_files(restore_file: str, world_size: int, model_parallel_size: int = 1, *,
@@ -175,8 +189,14 @@ def read_restore_files(restore_file: str, world_size: int, model_parallel_size: 
                 f"{_RESHARD_MP} --num-output-parts {parts}")
         layouts = [analyze_model(structures[j::parts], unique[j::parts]) for j in range(parts)]
         check_rank_order(structures, unique)  # in rank order
-    except UserError as e:
-        raise RestoreError(f"--restore-file {restore_file}: {e}") from None
+        shapes = {**global_shapes(layouts), **{e.key: e.shape for e in layouts[0].dicts[0].extras
+                                                 if e.shape is not None}}
+        for j, layout in enumerate(layouts):  # optimizer state as the reshard tool takes it (what the ranks load)
+            analyze_optimizer(structures[j::parts], layout)
+    except UserError as e:  # the fix the reshard tool's checks name is a flag training has not
+        fix = "restore a copy without it: reshard_fsdp --skip-optimizer-state True"
+        raise RestoreError(f"--restore-file {restore_file}: {str(e).replace('pass --skip-optimizer-state', fix)}"
+                           ) from None
     try:
         for path in unique:
             load_checkpoint(path, mmap=True, trust=trust)
@@ -210,13 +230,27 @@ def read_restore_files(restore_file: str, world_size: int, model_parallel_size: 
         logger.warning("--restore-file %s: the weights are %s; training runs in float32, so they are loaded and "
                        "saved as float32 (reshard_fsdp --output-dtype casts a save back)", restore_file, dtype)
     updates = saved_at(structures[0])[0]
-    return Restored(updates if isinstance(updates, int) else 0, cfg, model)
+    extra = structures[0].get("extra_state")
+    position = extra.get("train_iterator") if isinstance(extra, Mapping) else None
+    samples = position.get("samples_seen") if isinstance(position, Mapping) else None
+    return Restored(updates if isinstance(updates, int) else 0, cfg, model, shapes,
+                    samples if type(samples) is int else None)
+
+
+def _missing_shards(files: list[str]) -> str:
+    """`missing_shards_hint` of shard files (their pickles read; "" for any that cannot be)."""
+    try:
+        return missing_shards_hint([read_checkpoint(path)[0] for path in files])
+    except Exception:  # noqa: BLE001 -- only a hint: the files are read and checked again, with their own errors
+        return ""
 
 
 def _shards_by_part(prefix: str) -> dict[int, list[str]]:
     """{model part: its shard files in natural order} for `PREFIX-model_part-*-shard*.pt`."""
     by_part: dict[int, list[str]] = {}
-    for path in glob.glob(shard_glob(prefix, "*")):
+    matches = glob.glob(shard_glob(prefix, "*"))
+    check_no_broken_links(matches)
+    for path in matches:
         match = _PART_SHARD.search(path)
         if match and path[: match.start()] == prefix:
             by_part.setdefault(int(match.group(1)), []).append(path)
@@ -235,7 +269,9 @@ def _consolidated_parts(restore_file: str, model_parallel_size: int) -> list[str
             f"STEM-model_part-{{j}}.pt (j = 0..{model_parallel_size - 1})"
         )
     found = {}
-    for path in glob.glob(f"{glob.escape(match.group(1))}-model_part-*.pt"):
+    matches = glob.glob(f"{glob.escape(match.group(1))}-model_part-*.pt")
+    check_no_broken_links(matches)
+    for path in matches:
         other = _PART_FILE.match(path)
         if other and other.group(1) == match.group(1):
             found[int(other.group(2))] = path
@@ -267,11 +303,14 @@ def _check_shards(restore_file: str, prefix: str, part: int, files: list[str], w
                   model_parallel_size: int) -> None:
     """Part `part` must have exactly one shard file per data-parallel rank, named shard0..shard{D-1}."""
     dp_size = world_size // model_parallel_size
+    hint = _missing_shards(files) if len(files) < dp_size else ""
+    if hint:
+        hint += "; if they are complete, "
     if len(files) != dp_size and model_parallel_size == 1:
         pattern = shard_glob(prefix)
         raise RestoreError(
-            f"--restore-file {restore_file}: found {len(files)} shard files but --world-size={world_size}; "
-            f"reshard first: python -m metaseq.scripts.reshard_fsdp --input-glob-pattern '{pattern}' "
+            f"--restore-file {restore_file}: found {len(files)} shard files but --world-size={world_size}"
+            f"{hint or '; '}reshard first: python -m metaseq.scripts.reshard_fsdp --input-glob-pattern '{pattern}' "
             f"--output-shard-name 'NEW_DIR/checkpoint_last-model_part-0-shard{{i}}.pt' "
             f"--num-output-shards {world_size}"
         )
@@ -279,10 +318,10 @@ def _check_shards(restore_file: str, prefix: str, part: int, files: list[str], w
         pattern = shard_glob(prefix, "{j}")
         raise RestoreError(
             f"--restore-file {restore_file}: found {len(files)} shard files of model part {part} but the "
-            f"data-parallel size is {dp_size} (--world-size={world_size} / --model-parallel-size={model_parallel_size}); "
-            f"pass --world-size={len(files) * model_parallel_size}, or reshard first: python -m metaseq.scripts.reshard_fsdp "
-            f"--input-glob-pattern '{pattern}' --output-shard-name 'NEW_DIR/checkpoint_last-model_part-{{j}}-shard{{i}}.pt' "
-            f"--num-output-shards {dp_size}"
+            f"data-parallel size is {dp_size} (--world-size={world_size} / --model-parallel-size="
+            f"{model_parallel_size}){hint or '; '}pass --world-size={len(files) * model_parallel_size}, or reshard "
+            f"first: python -m metaseq.scripts.reshard_fsdp --input-glob-pattern '{pattern}' --output-shard-name "
+            f"'NEW_DIR/checkpoint_last-model_part-{{j}}-shard{{i}}.pt' --num-output-shards {dp_size}"
         )
     expected = [shard_file_name(prefix, part, i) for i in range(dp_size)]
     if files != expected:

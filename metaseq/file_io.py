@@ -19,10 +19,10 @@ from typing import Any, BinaryIO, Iterator, Sequence
 from metaseq.errors import CheckpointLoadError, UserError
 from metaseq.torchzip import NeedsTorch, check_record, zip_records
 
-__all__ = ["CheckpointLoadError", "atomic_output", "atomic_torch_save", "check_checkpoint_crc", "checkpoint_prefix",
-           "find_model_parts", "find_shards", "folder_hint", "glob_files", "is_glob", "load_checkpoint",
-           "model_part_number", "natural_sort_key", "remove_stale_temp_files", "shard_file_name", "shard_glob",
-           "summarize_paths"]
+__all__ = ["CheckpointLoadError", "atomic_output", "atomic_torch_save", "check_checkpoint_crc",
+           "check_no_broken_links", "checkpoint_prefix", "find_model_parts", "find_shards", "folder_hint",
+           "glob_files", "is_glob", "load_checkpoint", "model_part_number", "natural_sort_key",
+           "remove_stale_temp_files", "shard_file_name", "shard_glob", "summarize_paths"]
 
 logger = logging.getLogger(__name__)
 
@@ -101,10 +101,20 @@ def glob_files(pattern: str) -> list[str]:
     match nothing as a character class are part of the names (a folder named `run[1]`)."""
     pattern = os.path.expanduser(pattern)
     for candidate in (pattern, pattern.replace("[", "[[]")) if "[" in pattern else (pattern,):
-        paths = sorted((p for p in glob.glob(candidate) if os.path.isfile(p)), key=natural_sort_key)
+        matches = glob.glob(candidate)
+        check_no_broken_links(matches)
+        paths = sorted((p for p in matches if os.path.isfile(p)), key=natural_sort_key)
         if paths:
             return paths
     return []
+
+
+def check_no_broken_links(paths: Sequence[str]) -> None:
+    """Refuse a symbolic link whose file is gone (a shard skipped for it would be called missing, or the set wrong)."""
+    for path in sorted(paths, key=natural_sort_key):
+        if os.path.islink(path) and not os.path.exists(path):
+            raise UserError(f"{path} is a broken symbolic link (to {os.readlink(path)}, which does not exist); "
+                            "restore that file, or remove the link")
 
 
 def is_glob(path: str) -> bool:

@@ -34,7 +34,7 @@ from metaseq.errors import UserError
 from metaseq.file_io import (find_shards, folder_hint, glob_files, is_glob, load_checkpoint, model_part_number,
                              shard_glob)
 from metaseq.hf.errors import ConversionError
-from metaseq.hf.names import check_whole_model, upstream_state_for_model
+from metaseq.hf.names import check_state_matches_model, check_whole_model, upstream_state_for_model
 from metaseq.hf.tokenization import ByteTokenizer, TextTokenizer
 from metaseq.hf.variants import is_upstream_cfg, merge_parts_command, model_config_from_cfg, model_parallel_size
 from metaseq.models.transformer_lm import TransformerLanguageModel, build_model
@@ -209,6 +209,10 @@ def build_inference_model(ckpt: Mapping[str, Any], *, source: str) -> Transforme
         raise InferenceLoadError(str(e)) from None
     model = build_model(model_cfg)
     check_state_keys(set(model.state_dict()), set(state), source=source)
+    try:  # the names match: now the shapes
+        check_state_matches_model(model_cfg, state, source=source)
+    except ConversionError as e:
+        raise InferenceLoadError(f"{e}; its cfg['model'] does not describe these weights (edited?)") from None
     check_tied_weights(model, state, source=source)
     model.load_state_dict(state, strict=True)
     return model.eval()

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer, OPTConfig, OPTForCausalLM, pipeline
 
 from metaseq.checkpoint_utils import read_restore_files
-from metaseq.cli import interactive_cli
+from metaseq.cli import interactive_cli, train
 from metaseq.file_io import atomic_torch_save, load_checkpoint
 from metaseq.hf import BPETokenizer, ByteTokenizer, model_config_from_cfg
 from metaseq.hf.fsdp_layout import fsdp_shard_metadata
@@ -147,6 +147,30 @@ def test_restoring_bf16_weights_for_training_warns_that_they_become_float32(tmp_
         read_restore_files(str(tmp_path / "w2" / "checkpoint_last.pt"), 2)
     assert "the weights are torch.bfloat16; training runs in float32, so they are loaded and saved as float32" in (
         caplog.text)
+
+
+def test_training_from_a_converted_model_checks_its_vocabulary_against_the_byte_tokenizer(tmp_path, caplog):
+    """Training reads --data with the byte tokenizer (260 ids): a smaller vocabulary is refused before any rank
+    starts (its embedding would be indexed past its end); a larger one (OPT's 50272) trains on those ids, with a
+    warning."""
+    args = ["--data", str(REPO / "metaseq" / "assets" / "qa_corpus.txt"), "--save-dir", str(tmp_path / "run"),
+            "--world-size", "2", "--max-update", "3"]
+    for vocab in (61, 300):
+        make_hf_model(tmp_path / f"hf{vocab}", vocab_size=vocab)
+        assert convert_from_hf.main(["--input", str(tmp_path / f"hf{vocab}"), "--output-shard-name",
+                                     str(tmp_path / f"w{vocab}" / SHARDS), "--num-output-shards", "2", "-q"]) == 0
+    restore = ["--restore-file", str(tmp_path / "w61" / "checkpoint_last.pt")]
+    caplog.clear()
+    with caplog.at_level(logging.ERROR, logger="metaseq.cli.train"):
+        assert train.main([*args, *restore]) == 2
+    assert (f"--restore-file {restore[1]}: the model has 61 tokens, fewer than the 260 ids of the byte tokenizer "
+            "that --data is read with") in caplog.text
+    assert not (tmp_path / "run").exists()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="metaseq.cli.train"):
+        cfg = train.config_from_args(train.build_parser().parse_args(
+            [*args, "--restore-file", str(tmp_path / "w300" / "checkpoint_last.pt")]))
+    assert cfg.model.vocab_size == 300 and "the model has 300 tokens (another tokenizer's" in caplog.text
 
 
 @pytest.fixture(scope="module")

@@ -98,6 +98,7 @@ def test_flat_checkpoint_gives_one_line_error_not_traceback(memorized, tmp_path)
         (["--path", "nowhere/checkpoint_last.pt"],
          "--path nowhere/checkpoint_last.pt: --path 'nowhere/checkpoint_last-model_part-0-shard*.pt' matches no files"),
         (["--top-p", "1.5"], "--top-p=1.5 must be in (0, 1]"),
+        (["--max-new-tokens", "abc"], "ERROR: argument --max-new-tokens: invalid int value: 'abc' (see --help)"),
         (["--sampling", "--temperature", "nan"], "--temperature=nan must be a finite number > 0"),
         (["--sampling", "--temperature", "inf"], "--temperature=inf must be a finite number > 0"),
         (["--sampling", "--temperature", "1e-39"], "--temperature=1e-39 must be from 1e-06 to 1e+06"),
@@ -106,10 +107,21 @@ def test_flat_checkpoint_gives_one_line_error_not_traceback(memorized, tmp_path)
         (["--sampling", "--seed", str(2**64)], f"--seed={2**64} does not fit in 64 bits; give one from -2**63 to"),
         (["--sampling", "--seed", str(-2**63 - 1)], "does not fit in 64 bits; give one from -2**63 to 2**64 - 1"),
         (["--path", "TMP/tensor.pt"], "TMP/tensor.pt: expected a checkpoint dict, found Tensor"),
+        (["--path", "TMP/checkpoint_last.pt"], "TMP/checkpoint_last-model_part-0-shard1.pt is a broken symbolic link "
+                                               "(to TMP/gone.pt, which does not exist); restore that file"),
+        (["--path", "TMP/edited.pt"], "TMP/edited.pt: 'decoder.embed_positions.weight' has shape (69, 30), the model "
+                                      "its config describes needs (52, 30); its cfg['model'] does not describe these "
+                                      "weights (edited?)"),
     ],
 )
 def test_bad_path_or_flag_is_one_line_error(memorized, args, culprit, capsys, tmp_path):
     atomic_torch_save(torch.zeros(3), tmp_path / "tensor.pt")
+    atomic_torch_save(torch.zeros(3), tmp_path / "checkpoint_last-model_part-0-shard0.pt")
+    os.symlink(tmp_path / "gone.pt", tmp_path / "checkpoint_last-model_part-0-shard1.pt")
+    _save_model(tmp_path / "edited.pt")
+    edited = torch.load(tmp_path / "edited.pt")
+    edited["cfg"]["model"]["max_target_positions"] = 50
+    atomic_torch_save(edited, tmp_path / "edited.pt")
     args, culprit = [a.replace("TMP", str(tmp_path)) for a in args], culprit.replace("TMP", str(tmp_path))
     args = args if "--path" in args else ["--path", str(memorized[1]), *args]
     assert interactive_cli.main(args) == 2

@@ -84,6 +84,24 @@ def test_missing_shard_index(tmp_path: Path, capsys) -> None:
     assert "shard1 is missing" in _fails(tmp_path, capsys, _args(pattern, tmp_path))
 
 
+def test_missing_last_shard_is_named_from_the_files_cfg(tmp_path: Path, capsys) -> None:
+    pattern = _write(tmp_path)
+    (tmp_path / "ckpts" / SHARD.format(3)).unlink()  # shards 0..2 alone look like a set of 3, but hold too little
+    line = _fails(tmp_path, capsys, _args(pattern, tmp_path))
+    assert "shard_metadata numels add up to" in line and "are the shards complete" not in line
+    assert line.endswith("; their cfg says the save had 4 shards per model part, so shard(s) 3 seem to be missing (a "
+                         "rank that failed to save, or a copy cut short?): use every file of one complete save")
+
+
+def test_broken_link_among_the_shards(tmp_path: Path, capsys) -> None:
+    pattern = _write(tmp_path)
+    (tmp_path / "ckpts" / SHARD.format(3)).unlink()
+    (tmp_path / "ckpts" / SHARD.format(3)).symlink_to(tmp_path / "elsewhere.pt")
+    line = _fails(tmp_path, capsys, _args(pattern, tmp_path))
+    assert line == (f"ERROR: {tmp_path / 'ckpts' / SHARD.format(3)} is a broken symbolic link (to "
+                    f"{tmp_path / 'elsewhere.pt'}, which does not exist); restore that file, or remove the link")
+
+
 def test_duplicate_shard_index(tmp_path: Path, capsys) -> None:
     pattern = _write(tmp_path)
     (tmp_path / "ckpts" / SHARD.format("02")).write_bytes((tmp_path / "ckpts" / SHARD.format(2)).read_bytes())

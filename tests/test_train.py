@@ -199,6 +199,38 @@ def _flat_single_file(trained, tmp_path) -> str:
     return str(tmp_path / "reshard-model_part-0.pt")
 
 
+def _edited(**model_cfg):
+    """The W=2 run's last save with cfg['model'] changed: weights its cfg does not describe."""
+    def edit(trained, tmp_path) -> str:
+        for rank in range(2):
+            ckpt = load_checkpoint(trained[2][0] / f"checkpoint_last-model_part-0-shard{rank}.pt")
+            ckpt["cfg"]["model"].update(model_cfg)
+            torch.save(ckpt, tmp_path / f"checkpoint_last-model_part-0-shard{rank}.pt")
+        return str(tmp_path / "checkpoint_last.pt")
+    return edit
+
+
+def _broken_link(trained, tmp_path) -> str:
+    shutil.copy(trained[2][0] / "checkpoint_last-model_part-0-shard0.pt", tmp_path)
+    os.symlink(tmp_path / "gone.pt", tmp_path / "checkpoint_last-model_part-0-shard1.pt")
+    return str(tmp_path / "checkpoint_last.pt")
+
+
+def _last_shard_missing(trained, tmp_path) -> str:
+    shutil.copy(trained[2][0] / "checkpoint_last-model_part-0-shard0.pt", tmp_path)
+    return str(tmp_path / "checkpoint_last.pt")
+
+
+def _consolidated_optimizer_without_id_map(trained, tmp_path) -> str:
+    path = tmp_path / "reshard-model_part-0.pt"
+    assert reshard_main(["--input", str(trained[2][0] / "checkpoint_last-model_part-0-shard*.pt"), "--output",
+                         str(path), "--unflatten-weights", "True", "--quiet"]) == 0
+    ckpt = load_checkpoint(path)
+    del ckpt["last_optimizer_state"]["param_id_map"]
+    torch.save(ckpt, path)
+    return str(path)
+
+
 def _not_a_training_checkpoint(trained, tmp_path) -> str:
     torch.save({"a": 1}, tmp_path / "a.pt")
     return str(tmp_path / "a.pt")
@@ -217,6 +249,17 @@ def _not_a_training_checkpoint(trained, tmp_path) -> str:
         (_flat_single_file, [], "--restore-file {R} holds the flat weights of one FSDP shard, which load only with one "
                                 "rank per model part (--world-size 1)"),
         (_not_a_training_checkpoint, [], "--restore-file {R}: {R}: no 'model' dict"),
+        (_edited(decoder_ffn_embed_dim=64), [], "--restore-file {R}: its cfg['model'] does not describe its weights "
+                                                "(edited?): 'decoder.layers.0.fc1.weight' is [71, 30] in the files but "
+                                                "[64, 30] in that model"),
+        (_edited(decoder_layers=3), [], "its cfg['model'] does not describe its weights (edited?): they lack "
+                                        "'decoder.layers.2."),
+        (_broken_link, [], "{T}/checkpoint_last-model_part-0-shard1.pt is a broken symbolic link (to {T}/gone.pt, "
+                           "which does not exist); restore that file, or remove the link"),
+        (_last_shard_missing, [], "found 1 shard files but --world-size=2; their cfg says the save had 2 shards per "
+                                  "model part, so shard(s) 1 seem to be missing"),
+        (_consolidated_optimizer_without_id_map, [], "restore a copy without it: reshard_fsdp --skip-optimizer-state "
+                                                     "True"),
     ],
 )
 def test_restore_files_that_cannot_go_on_are_refused_before_any_rank_starts(trained, tmp_path, caplog, restore, flags,
@@ -265,7 +308,29 @@ def test_an_error_inside_a_rank_is_one_line(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, preexec_fn=limit_file_size,
                           env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
-    assert proc.stderr.strip().splitlines()[-1].endswith("failed: OSError: [Errno 27] File too large"), proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "failed: OSError: [Errno 27] " in last and "checkpoint_1-model_part-0-shard" in last, proc.stderr
+    assert "cannot save it (File too large); checkpoint_last is left at the last complete save" in last
+    assert not list((tmp_path / "run").glob("checkpoint_last*")), "a failed first save must not leave checkpoint_last"
+
+
+def test_a_save_that_fails_on_one_rank_leaves_checkpoint_last_at_the_last_complete_save(tmp_path):
+    """Rank 1 cannot write its update-2 file (a folder stands in its way); rank 0 can: checkpoint_last must stay the
+    complete update-1 save on both ranks (not rank 0's update 2 beside rank 1's update 1), and restore."""
+    blocked = tmp_path / "run" / "checkpoint_2-model_part-0-shard1.pt"
+    blocked.mkdir(parents=True)
+    proc = run_train(tmp_path / "run", world_size=2, max_update=2, extra=["--save-interval-updates", "1"],
+                     check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"rank 1 failed: IsADirectoryError: [Errno 21] {blocked}: cannot save it (Is a directory)" in proc.stderr
+    saved = [line for line in proc.stderr.splitlines() if "| saved " in line]
+    assert len(saved) == 1 and "checkpoint_1-model_part-0-shard0.pt" in saved[0], proc.stderr
+    for rank in range(2):
+        ckpt = load_checkpoint(tmp_path / "run" / f"checkpoint_last-model_part-0-shard{rank}.pt")
+        assert ckpt["optimizer_history"][-1]["num_updates"] == 1
+    restored = run_train(tmp_path / "again", world_size=2, max_update=2,
+                         extra=["--restore-file", str(tmp_path / "run" / "checkpoint_last.pt")])
+    assert sorted(losses(restored)) == [2]
 
 
 def test_sigterm_stops_the_ranks_and_is_one_line(tmp_path):
@@ -336,6 +401,24 @@ def test_restore_of_upstream_files_holding_unloadable_objects_is_refused_up_fron
     proc = run_train(tmp_path / "run", world_size=2, max_update=3,
                      extra=["--restore-file", str(tmp_path / "dropped" / "checkpoint_last.pt")])
     assert sorted(losses(proc)) == [3]
+
+
+def test_restore_without_a_data_position_says_the_data_starts_over(trained, tmp_path, caplog):
+    """--drop-metaseq-req drops extra_state['train_iterator'] (upstream's holds no samples_seen either): the resumed
+    run reads its data from the beginning, which it must say rather than replay those samples silently."""
+    args = ["--data", str(CORPUS), "--save-dir", str(tmp_path / "run"), "--world-size", "2", "--max-update", "9"]
+    for drop in ([], ["--drop-metaseq-req"]):
+        out = tmp_path / f"out{len(drop)}"
+        assert reshard_main(["--input", str(trained[2][0] / "checkpoint_last-model_part-0-shard*.pt"), "--output",
+                             str(out / "checkpoint_last-model_part-0-shard{i}.pt"), "--num-output-shards", "2",
+                             "--quiet", *drop]) == 0
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="metaseq.cli.train"):
+            train.config_from_args(train.build_parser().parse_args(
+                [*args, "--restore-file", str(out / "checkpoint_last.pt")]))
+        warned = "holds no data position" in caplog.text
+        assert warned == bool(drop), caplog.text
+    assert f"training starts the data from its beginning, not where update {TRAIN_UPDATES} left it" in caplog.text
 
 
 def test_restore_of_fp16_adam_stats_takes_each_moment_times_its_ranks_scale(tmp_path):

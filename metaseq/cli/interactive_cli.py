@@ -21,7 +21,8 @@ import os
 import sys
 from typing import Iterator, TextIO
 
-from metaseq.file_io import CheckpointLoadError
+from metaseq.cli_logging import OneLineErrorParser
+from metaseq.errors import UserError
 from metaseq.hf.tokenization import BPETokenizer, TextTokenizer
 from metaseq.hub_utils import GenerationConfig, GeneratorInterface, InferenceLoadError
 
@@ -32,7 +33,7 @@ PROMPT = "> "
 
 def build_parser() -> argparse.ArgumentParser:
     d = GenerationConfig
-    p = argparse.ArgumentParser(
+    p = OneLineErrorParser(
         prog="python -m metaseq.cli.interactive_cli",
         description="Generate completions from a consolidated checkpoint or raw FSDP shards.",
         epilog='example: echo "what is the meaning of life?" | python -m metaseq.cli.interactive_cli '
@@ -142,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
         cfg.validate()
         tokenizer = build_tokenizer(args)
         gen = GeneratorInterface.from_checkpoint(args.path, trust=args.trust_checkpoint, tokenizer=tokenizer)
-    except (ValueError, CheckpointLoadError, InferenceLoadError) as e:
+    except (ValueError, UserError, InferenceLoadError) as e:
         logger.error("%s", e)
         return 2
     interactive = sys.stdin.isatty()
@@ -162,7 +163,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except UserError as e:  # a bad flag: one line, as every other error
+        print(f"{logger.name}: ERROR: {e}", file=sys.stderr)
+        return 2
     package = logging.getLogger("metaseq")
     saved = package.level, package.propagate
     handler = configure_logging(args.verbose)

@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -50,9 +50,9 @@ from metaseq.distributed.model_parallel import (
 from metaseq.errors import UserError
 from metaseq.file_io import load_checkpoint, summarize_paths
 from metaseq.models.model_parallel import check_model_parallel_sizes, vocab_parallel_loss_sum
-from metaseq.models.transformer_lm import ModelConfig
+from metaseq.models.transformer_lm import ModelConfig, TransformerLanguageModel
 from metaseq.reshard.schema import cfg_value
-from metaseq.tokenizer import PAD
+from metaseq.tokenizer import PAD, VOCAB_SIZE
 
 logger = logging.getLogger("metaseq.cli.train")
 
@@ -167,6 +167,11 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
             flag = "--" + name.replace("_", "-")
             raise ValueError(f"{flag}={value} but the restored model has {name}={getattr(model, name)}: a restored "
                              f"model's sizes come from its files; drop {flag}")
+    check_restored_weights(args.restore_file, model, restored.shapes)
+    if restored.samples_seen is None and restored.num_updates:
+        logger.warning("--restore-file %s holds no data position (extra_state['train_iterator'] has no samples_seen: "
+                       "upstream metaseq's, or dropped by reshard_fsdp --drop-metaseq-req): training starts the data "
+                       "from its beginning, not where update %d left it", args.restore_file, restored.num_updates)
     values = {}
     for name, (section, key) in RESTORED.items():
         value = cfg_value(restored.cfg, section, key)
@@ -175,6 +180,33 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
             values[name] = value
     values.update((k, v) for k, v in given.items() if k in fields)
     return TrainConfig(model=model, restored_updates=restored.num_updates, **values)
+
+
+def check_restored_weights(restore_file: str, model: ModelConfig, shapes: Mapping[str, Sequence[int]]) -> None:
+    """The files' parameters must be those of the model their cfg['model'] describes (names and whole shapes), and
+    its vocabulary must hold the byte tokenizer's ids that --data becomes; a larger one is trained on those ids."""
+    with torch.device("meta"):
+        built = TransformerLanguageModel(model)
+    params = {k: list(v.shape) for k, v in built.named_parameters()}
+    expected = {**params, **{k: list(v.shape) for k, v in built.named_buffers()}}
+    where = f"--restore-file {restore_file}: its cfg['model'] does not describe its weights (edited?):"
+    for name, shape in shapes.items():
+        if name not in expected:
+            raise ValueError(f"{where} they hold '{name}', which that model has not; restore files training wrote")
+        if list(shape) != expected[name]:
+            raise ValueError(f"{where} '{name}' is {list(shape)} in the files but {expected[name]} in that model; "
+                             "restore files training wrote")
+    if missing := [name for name in params if name not in shapes]:
+        raise ValueError(f"{where} they lack '{missing[0]}' ({len(missing)} parameter(s) missing); restore files "
+                         "training wrote")
+    if model.vocab_size < VOCAB_SIZE:
+        raise ValueError(f"--restore-file {restore_file}: the model has {model.vocab_size} tokens, fewer than the "
+                         f"{VOCAB_SIZE} ids of the byte tokenizer that --data is read with; restore a model of this "
+                         "project's vocabulary")
+    if model.vocab_size > VOCAB_SIZE:
+        logger.warning("--restore-file %s: the model has %d tokens (another tokenizer's, e.g. OPT's GPT-2 BPE) but "
+                       "--data is read with the byte tokenizer's %d ids, which it is trained on", restore_file,
+                       model.vocab_size, VOCAB_SIZE)
 
 
 def validate_config(cfg: TrainConfig) -> None:
@@ -360,8 +392,10 @@ def save(model: Any, optimizer: torch.optim.Optimizer, cfg: TrainConfig, model_c
         training_time=state.training_time,
     )
     paths = checkpoint_utils.save_training_checkpoint(
-        ckpt, cfg.save_dir, rank=layout.dp_rank, num_updates=state.num_updates, model_part=layout.mp_rank
+        ckpt, cfg.save_dir, rank=layout.dp_rank, num_updates=state.num_updates, model_part=layout.mp_rank,
+        wait=dist.barrier,  # every rank's numbered file written before any checkpoint_last is replaced
     )
+    dist.barrier()
     if layout.rank == 0:
         logger.info("saved %s (and the other ranks' shards)", paths[0])
         removed = checkpoint_utils.remove_replaced_shards(cfg.save_dir, state.num_updates, cfg.model_parallel_size,

@@ -51,6 +51,7 @@ def init_distributed(rank: int, world_size: int, init_method: str) -> torch.devi
     """Join the process group: NCCL with one GPU per rank when CUDA exists, else gloo."""
     # fairscale 0.4.13 uses torch's private *_base collectives; the notice is not ours to act on.
     warnings.filterwarnings("ignore", message=r".*torch\.distributed\._(all_gather|reduce_scatter)_base", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=r"TypedStorage is deprecated", category=UserWarning)  # its state dicts
     if torch.cuda.is_available():
         device = torch.device("cuda", rank % torch.cuda.device_count())
         torch.cuda.set_device(device)

@@ -19,15 +19,16 @@ from typing import Any, Iterator, Mapping, Sequence
 
 from metaseq.errors import ReshardError, short_repr
 from metaseq.reshard.ranges import Span, shard_range
-from metaseq.reshard.schema import ShardMetadata, clean_key, is_tensor, join_key
+from metaseq.reshard.schema import ShardMetadata, cfg_value, clean_key, is_tensor, join_key
 from metaseq.torchzip import DType, Size
 
 __all__ = ["MIRRORS", "Extra", "FlatParam", "ModelLayout", "ParamDict", "analyze_model", "check_flat_dtype",
-           "global_params", "output_cuts", "output_metadata"]
+           "global_params", "missing_shards_hint", "output_cuts", "output_metadata"]
 
 # extra_state dicts that hold state per flat parameter, laid out like `model` on every rank
 # (upstream metaseq's --store-ema): resharded with the model, not carried from rank 0.
 MIRRORS = ("ema", "ema_fp32_params")
+_COMPLETE = "are the shards complete and from one checkpoint?"
 _BAD_MODEL = "{label}: {where}['{key}'] has shape {found} but shard_metadata says {shape}"
 _BAD_MIRROR = ("{label}: {where}['{key}'] is {found}, not {shape} like model's; {where} must hold the flat parameters "
                "exactly as model does to be resharded")
@@ -124,7 +125,11 @@ def analyze_model(shards: Sequence[Mapping[str, Any]], labels: Sequence[str], fi
         raise ReshardError(f"{labels[forms.index(True)]}: looks unflattened (model keys are original parameter names) "
                            f"but was given with {len(shards) - 1} other input(s); pass a consolidated file alone")
     whole = tuple((fp.numel,) for fp in flat_params)  # unflattened: one input, no padding
-    padded, kept = (whole, whole) if forms[0] else _flat_lengths(models, metas, key_maps, flat_params, labels)
+    try:
+        padded, kept = (whole, whole) if forms[0] else _flat_lengths(models, metas, key_maps, flat_params, labels)
+    except ReshardError as e:
+        hint = missing_shards_hint(shards)  # instead of the question, where the files say
+        raise ReshardError(str(e).removesuffix(f"; {_COMPLETE}") + hint if hint else str(e)) from None
     layout = ModelLayout(tuple(labels), forms[0], flat_params, padded, kept, ties, metas[0], first)
     dicts = [_param_dict(layout, models, key_maps, ("model",))]
     for name in MIRRORS:  # checked on every input to hold the flat parameters as `model` does
@@ -256,6 +261,23 @@ def _is_flat(value: Any) -> bool:
     return is_tensor(value) and value.dim() == 1
 
 
+def missing_shards_hint(shards: Sequence[Mapping[str, Any]]) -> str:
+    """Where the files' cfg says their save had more shards per model part than are given (the files saved by
+    ranks, each saying its own): which seem missing, as a clause to add to an error; else ""."""
+    cfgs = [s.get("cfg") for s in shards]
+    world = cfg_value(cfgs[0], "distributed_training", "distributed_world_size")
+    parts = cfg_value(cfgs[0], "common", "model_parallel_size")
+    parts = parts if type(parts) is int and parts > 0 else 1
+    ranks = [cfg_value(c, "distributed_training", "distributed_rank") for c in cfgs]
+    if type(world) is not int or world // parts <= len(shards) or not all(type(r) is int for r in ranks) or (
+            len(shards) > 1 and len(set(ranks)) == 1):  # files of other resharding tools all say rank 0's cfg
+        return ""
+    missing = sorted(set(range(world // parts)) - {r // parts for r in ranks})
+    return (f"; their cfg says the save had {world // parts} shards per model part, so shard(s) "
+            f"{', '.join(map(str, missing))} seem to be missing (a rank that failed to save, or a copy cut short?): "
+            "use every file of one complete save")
+
+
 def _flat_lengths(models: Sequence[Mapping[str, Any]], metas: Sequence[ShardMetadata],
                   key_maps: Sequence[Mapping[str, str]], flat_params: Sequence[FlatParam],
                   labels: Sequence[str]) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]:
@@ -298,8 +320,7 @@ def _check_consumed(fp: FlatParam, keeps: Sequence[int], labels: Sequence[str]) 
               f"{total - fp.numel} elements left over after consuming all {fp.numel}")
     suspect = "" if odd is None else f"{labels[odd]}: "
     raise ReshardError(f"{suspect}flat parameter '{fp.key}': the shards hold {total} elements after removing padding "
-                       f"but shard_metadata numels add up to {fp.numel} ({detail}); are the shards complete and from "
-                       "one checkpoint?")
+                       f"but shard_metadata numels add up to {fp.numel} ({detail}); {_COMPLETE}")
 
 
 def _param_dict(layout: ModelLayout, dicts: Sequence[Mapping[str, Any]], maps: Sequence[Mapping[str, str]],

@@ -251,7 +251,11 @@ def read_inputs(paths: Sequence[str], *, trust: bool = False) -> list[InputFile]
     """
     inputs, seen = [], {}
     for path in paths:
-        stat = os.stat(path)
+        try:
+            stat = os.stat(path)
+        except FileNotFoundError:  # gone since it was found
+            raise ReshardError(f"{path}: no such file (removed, or a broken link?); give the files of one save"
+                               ) from None
         other = seen.setdefault((stat.st_dev, stat.st_ino), path)
         if other != path:
             raise ReshardError(f"{other} and {path} are the same file (a link?); give each shard's own file")
