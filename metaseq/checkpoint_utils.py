@@ -63,8 +63,10 @@ def build_training_checkpoint(
     cfg: dict[str, Any],
     metrics: dict[str, float],
     training_time: float,
+    run_id: str | None = None,
 ) -> dict[str, Any]:
-    """This rank's checkpoint dict; `model` is the root FSDP instance."""
+    """This rank's checkpoint dict; `model` is the root FSDP instance. `run_id` (the same on every rank of a run)
+    tells apart the files of two runs that agree on seed and update."""
     return {
         "model": model.local_state_dict(),
         "shard_metadata": model.local_metadata_dict(),
@@ -81,6 +83,7 @@ def build_training_checkpoint(
             "metrics": metrics,
             "previous_training_time": training_time,
             "train_iterator": train_iterator,
+            **({"run_id": run_id} if run_id else {}),
         },
         "cfg": cfg,
     }

@@ -247,6 +247,8 @@ def _seed(shards: list[dict[str, Any]], rank: int, seed: int) -> None:
          f"{SHARD.format(2)} was saved at update 40 but "),
         (lambda s: [_seed(s, r, 9 if r == 3 else 1) for r in range(4)],
          f"{SHARD.format(3)} comes from a run with seed 9 but "),
+        (lambda s: [s[r]["extra_state"].__setitem__("run_id", "b" if r == 1 else "a") for r in range(4)],
+         f"{SHARD.format(1)} comes from training run b but "),
     ],
 )
 def test_shards_of_different_saves_are_refused(tmp_path, capsys, spoil: Spoil, words: str) -> None:

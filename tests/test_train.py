@@ -194,6 +194,14 @@ def _mixed(trained, tmp_path) -> str:
     return str(tmp_path / "checkpoint_last.pt")
 
 
+def _two_runs(trained, tmp_path) -> str:
+    """shard1 of another run with the same seed and update (another --lr) beside shard0 of the W=2 run."""
+    run_train(tmp_path / "other", world_size=2, max_update=TRAIN_UPDATES, extra=["--lr", "1e-4"])
+    shutil.copy(trained[2][0] / "checkpoint_last-model_part-0-shard0.pt", tmp_path)
+    shutil.copy(tmp_path / "other" / "checkpoint_last-model_part-0-shard1.pt", tmp_path)
+    return str(tmp_path / "checkpoint_last.pt")
+
+
 def _flat_single_file(trained, tmp_path) -> str:
     shutil.copy(trained[1][0] / "checkpoint_last-model_part-0-shard0.pt", tmp_path / "reshard-model_part-0.pt")
     return str(tmp_path / "reshard-model_part-0.pt")
@@ -249,6 +257,7 @@ def _not_a_training_checkpoint(trained, tmp_path) -> str:
         (_flat_single_file, [], "--restore-file {R} holds the flat weights of one FSDP shard, which load only with one "
                                 "rank per model part (--world-size 1)"),
         (_not_a_training_checkpoint, [], "--restore-file {R}: {R}: no 'model' dict"),
+        (_two_runs, [], "{T}/checkpoint_last-model_part-0-shard1.pt comes from training run "),
         (_edited(decoder_ffn_embed_dim=64), [], "--restore-file {R}: its cfg['model'] does not describe its weights "
                                                 "(edited?): 'decoder.layers.0.fc1.weight' is [71, 30] in the files but "
                                                 "[64, 30] in that model"),

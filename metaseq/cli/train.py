@@ -26,6 +26,7 @@ import signal
 import sys
 import tempfile
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -74,6 +75,7 @@ class TrainConfig:
     log_format: str = "json"
     model: ModelConfig = field(default_factory=ModelConfig)  # with restore_file, the restored model's
     restored_updates: int = 0  # the update restore_file was saved at
+    run_id: str = field(default_factory=lambda: uuid.uuid4().hex)  # in every save: files of two runs do not mix
 
 
 @dataclass
@@ -390,6 +392,7 @@ def save(model: Any, optimizer: torch.optim.Optimizer, cfg: TrainConfig, model_c
         cfg=checkpoint_cfg(cfg, model_cfg, layout),
         metrics={"loss": loss},
         training_time=state.training_time,
+        run_id=cfg.run_id,
     )
     paths = checkpoint_utils.save_training_checkpoint(
         ckpt, cfg.save_dir, rank=layout.dp_rank, num_updates=state.num_updates, model_part=layout.mp_rank,

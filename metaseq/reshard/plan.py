@@ -319,17 +319,21 @@ def analyze_inputs(structures: Sequence[Mapping[str, Any]], labels: Sequence[str
     return Source(model, optim)
 
 
-def saved_at(structure: Mapping[str, Any]) -> tuple[Any, Any]:
-    """(update, seed) of the save a file comes from, where it says (`optimizer_history`, `cfg`); else None."""
+def saved_at(structure: Mapping[str, Any]) -> tuple[Any, Any, Any]:
+    """(update, seed, run id) of the save a file comes from, where it says (`optimizer_history`, `cfg`,
+    `extra_state['run_id']`, which metaseq.cli.train writes); else None."""
     history = structure.get("optimizer_history")
     last = history[-1] if isinstance(history, list) and history and isinstance(history[-1], Mapping) else {}
-    marks = last.get("num_updates"), cfg_value(structure.get("cfg"), "common", "seed")
+    extra = structure.get("extra_state")
+    marks = (last.get("num_updates"), cfg_value(structure.get("cfg"), "common", "seed"),
+             extra.get("run_id") if isinstance(extra, Mapping) else None)
     return tuple(m if isinstance(m, (int, str)) else None for m in marks)  # plain values (not tensors)
 
 
 def check_same_save(structures: Sequence[Mapping[str, Any]], labels: Sequence[str]) -> None:
-    """Refuse files of different saves: every file of a checkpoint is saved at the same update of one run (seed)."""
-    (updates, seed), name = saved_at(structures[0]), labels[0]
+    """Refuse files of different saves: every file of a checkpoint is saved at the same update of one run (seed,
+    and run id where the files have one)."""
+    (updates, seed, run), name = saved_at(structures[0]), labels[0]
     for structure, label in zip(structures[1:], labels[1:]):
         theirs = saved_at(structure)
         if theirs[0] != updates:
@@ -338,6 +342,10 @@ def check_same_save(structures: Sequence[Mapping[str, Any]], labels: Sequence[st
         if theirs[1] != seed:
             raise ReshardError(f"{label} comes from a run with seed {theirs[1]} but {name} from seed {seed}: the "
                                "files mix two training runs; use one run's files")
+        if None not in (run, theirs[2]) and theirs[2] != run:
+            raise ReshardError(f"{label} comes from training run {theirs[2]} but {name} from run {run} (their "
+                               "extra_state['run_id'], though seed and update agree): the files mix two training "
+                               "runs; use one run's files")
 
 
 def check_rank_order(structures: Sequence[Mapping[str, Any]], labels: Sequence[str], parts: int = 1) -> None:
