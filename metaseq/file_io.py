@@ -87,6 +87,12 @@ def find_model_parts(pattern: str, *, flag: str = "--input-glob-pattern") -> lis
     missing = sorted(set(range(max(by_part) + 1)) - set(by_part))
     if missing:
         raise UserError(f"model_part-{missing[0]} is missing: {flag} {pattern!r} matches parts {sorted(by_part)}")
+    sharded = {j: any(_SHARD_RE.search(os.path.basename(p)) for p in paths) for j, paths in sorted(by_part.items())}
+    if len(set(sharded.values())) > 1:  # one form per checkpoint: a part's file and another's shards do not mix
+        whole, shards = (next(j for j, s in sharded.items() if s is form) for form in (False, True))
+        raise UserError(f"{by_part[whole][0]}: model_part-{whole} is one consolidated file but model_part-{shards} is "
+                        f"raw shards ({summarize_paths(by_part[shards])}); give every part in one form: narrow {flag}, "
+                        "or reshard that part with reshard_fsdp first")
     most = max(len(paths) for paths in by_part.values())
     for j, paths in sorted(by_part.items()):
         if len(paths) < most:

@@ -4,6 +4,7 @@ import io
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -566,6 +567,30 @@ def test_output_folder_holding_the_inputs_or_the_cwd_is_refused_and_nothing_is_l
     code, err = _run_cli(convert_to_hf, ["--input", glob_, "--output", str(tmp_path / "w2" / SHARDS.format(i=0) / "x")],
                          capsys)
     assert code == 2 and "--output " in err and "cannot create it" in err and ".tmp" not in err
+
+
+def test_overwrite_replaces_only_a_model_folder_and_keeps_a_tokenizer_copied_in(tmp_path, capsys):
+    """--overwrite replaces the whole folder: refused where it holds the user's other files or folders (nothing is
+    lost); a tokenizer copied in beside an export of a vocabulary other than the byte tokenizer's is kept."""
+    make_hf_model(tmp_path / "hf")  # 61 tokens: no tokenizer files are written
+    assert convert_from_hf.main(["--input", str(tmp_path / "hf"), "--output-shard-name", str(tmp_path / "c.pt"),
+                                 "--unflatten-weights", "-q"]) == 0
+    out, argv = tmp_path / "models", ["--input", str(tmp_path / "c.pt"), "--output", str(tmp_path / "models"), "-q"]
+    assert convert_to_hf.main(argv) == 0
+    exported = sorted(os.listdir(out))
+    for extra, make, remove in (("NOTES.txt", lambda p: p.write_text("mine"), os.unlink),
+                                ("other_model", os.mkdir, os.rmdir)):
+        make(out / extra)
+        code, err = _run_cli(convert_to_hf, [*argv, "--overwrite"], capsys)
+        assert code == 2 and len(err.splitlines()) == 1, err
+        assert f"--output {out} holds {extra}, which is not part of a Hugging Face model folder" in err
+        assert extra in os.listdir(out)
+        remove(out / extra)
+    for name in ("vocab.json", "merges.txt"):
+        (out / name).write_text(f"the model's own {name}")
+    assert convert_to_hf.main([*argv, "--overwrite"]) == 0
+    assert sorted(os.listdir(out)) == sorted([*exported, "vocab.json", "merges.txt"])
+    assert (out / "merges.txt").read_text() == "the model's own merges.txt"
 
 
 @pytest.mark.parametrize("module", [convert_to_hf, convert_from_hf])

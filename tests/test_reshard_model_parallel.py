@@ -194,6 +194,18 @@ def test_part_files_swapped_are_refused_by_every_reader(tmp_path, capsys):
         read_restore_files(str(tmp_path / "checkpoint_last.pt"), 4, 2)
 
 
+def test_a_part_consolidated_beside_a_part_of_raw_shards_is_refused_naming_both(tmp_path, capsys):
+    _write_parts(tmp_path, 2, 2)
+    assert reshard_fsdp(["--input", str(tmp_path / "checkpoint_last-model_part-1-shard*.pt"), "--output",
+                         str(tmp_path / "checkpoint_last-model_part-1.pt"), "--unflatten-weights", "--quiet"]) == 0
+    for i in range(2):
+        (tmp_path / OUT.format(j=1, i=i)).unlink()
+    err = _fails(capsys, tmp_path, "--num-output-parts", "1")
+    assert err.startswith(f"ERROR: {tmp_path}/checkpoint_last-model_part-1.pt: model_part-1 is one consolidated file "
+                          f"but model_part-0 is raw shards ({tmp_path}/checkpoint_last-model_part-0-shard0.pt, "), err
+    assert "give every part in one form" in err
+
+
 @pytest.mark.parametrize("q, words", [
     ("3", "does not divide the 2 attention heads in cfg['model']['decoder_attention_heads']; --num-output-parts 1, 2"),
 ])
@@ -334,20 +346,36 @@ def test_fewer_parts_over_an_earlier_runs_parts_are_refused(tmp_path, capsys):
     assert f"{tmp_path}/out/reshard-model_part-1.pt, named like the outputs, would stay" in capsys.readouterr().err
 
 
-def test_replicated_tensor_that_differs_between_parts_warns_and_uses_part_0(tmp_path, capsys):
+def test_replicated_state_that_differs_between_parts_warns_uses_part_0_and_compares_different(tmp_path, capsys):
+    """A replicated tensor, its Adam moment and step should be equal in every part: merged, part 0's are kept
+    (with a warning naming each); compared, the parts are not the merged file (it lost part 1's copies), but
+    are the same as themselves."""
     _write_parts(tmp_path, 2, 1)
     path = tmp_path / OUT.format(j=1, i=0)
     ckpt = torch.load(path, weights_only=True)
-    flat = ckpt["model"]["flat_param_0"]
-    flat[-1] += 0.5  # the last element of the root's flat parameter: decoder.layer_norm.weight[3]
+    ckpt["model"]["flat_param_0"][-1] += 0.5  # the root's flat parameter ends with decoder.layer_norm.weight[3]
+    state = ckpt["last_optimizer_state"]["state"][0]
+    state["exp_avg"][-2] += 0.25  # its moment, of decoder.layer_norm.weight[2]
+    state["step"] += 1
     torch.save(ckpt, path)
     assert main(["--input", str(tmp_path / "*.pt"), "--output", str(tmp_path / "out" / "p{j}.pt"),
-                 "--num-output-parts", "1", "--unflatten-weights", "--skip-optimizer-state"]) == 0
+                 "--num-output-parts", "1", "--unflatten-weights"]) == 0
     err = capsys.readouterr().err
     assert "WARNING: decoder.layer_norm.weight differs between parts (max diff 0.5, part 1 vs part 0); using part 0" in err
+    assert "WARNING: exp_avg of decoder.layer_norm.weight differs between parts (max diff 0.25, part 1 vs part 0)" in (
+        err)
+    step = "WARNING: last_optimizer_state.state[0]['step'] differs between parts (part 1 vs part 0); using part 0's"
+    assert step in err
     got = load_checkpoint(tmp_path / "out" / "p0.pt")["model"]["decoder.layer_norm.weight"]
     part0 = load_checkpoint(tmp_path / OUT.format(j=0, i=0))["model"]["flat_param_0"]
     assert torch.equal(got, part0[-4:])
+    assert compare([str(tmp_path / "*.pt"), str(tmp_path / "out" / "p0.pt")]) == 1
+    out = capsys.readouterr().out
+    for key in ("decoder.layer_norm.weight", "optimizer exp_avg of decoder.layer_norm.weight",
+                "optimizer step of decoder.layer_norm.weight"):
+        assert f"differs: {key} (model part 1's copy, unlike part 0's): only in A" in out, out
+    assert compare([str(tmp_path / "*.pt"), str(tmp_path / "*.pt")]) == 0
+    assert capsys.readouterr().out.strip().endswith("SAME: the checkpoints hold the same model and optimizer state")
 
 
 def test_inference_merges_consolidated_parts(mp_runs, tmp_path):

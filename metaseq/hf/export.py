@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, Mapping
@@ -24,7 +25,7 @@ from metaseq.file_io import folder_hint, glob_files, is_glob, model_part_number
 from metaseq.hf.config import DTYPE_NAMES, hf_config, hf_generation_config
 from metaseq.hf.errors import ConversionError
 from metaseq.hf.names import check_whole_model, split_fused_qkv, to_hf_state_dict, upstream_state_for_model
-from metaseq.hf.outdir import atomic_directory, check_output_directory
+from metaseq.hf.outdir import TOKENIZER_FILE, atomic_directory, check_output_directory
 from metaseq.hf.tokenization import ByteTokenizer, byte_tokenizer_files, require
 from metaseq.hf.variants import (FUSED_QKV_ORDER_OURS, is_opt_exact, is_upstream_cfg, merge_parts_command,
                                  model_config_from_cfg)
@@ -63,7 +64,8 @@ def convert_to_hf(input_path: str, output_dir: str | os.PathLike, *, overwrite: 
         if not with_tokenizer:
             logger.warning("%s: a vocabulary of %d tokens is not this project's byte tokenizer; no tokenizer "
                            "files written and only EOS stops generation: copy the model's own tokenizer (e.g. an "
-                           "HF OPT tokenizer) into %s", input_path, config.vocab_size, output_dir)
+                           "HF OPT tokenizer) into %s (an --overwrite export keeps it)", input_path,
+                           config.vocab_size, output_dir)
         out = write_hf_folder(output_dir, config, tensors, overwrite=overwrite, with_tokenizer=with_tokenizer)
     logger.info("wrote %s: %d tensors, %s", out, len(tensors), DTYPE_NAMES[_dtype(tensors)])
     return out
@@ -152,10 +154,17 @@ def write_hf_folder(output_dir: str | os.PathLike, config: ModelConfig, tensors:
     }
     if with_tokenizer:
         files.update(byte_tokenizer_files(config.max_target_positions))
+    kept = []
     with atomic_directory(output_dir, overwrite=overwrite) as tmp:
         for name, text in files.items():
             (tmp / name).write_text(text, encoding="utf-8")
         write_safetensors(tmp / SAFETENSORS_NAME, tensors, {"format": "pt"})
+        for old in sorted(Path(output_dir).iterdir()) if not with_tokenizer and Path(output_dir).is_dir() else ():
+            if old.is_file() and TOKENIZER_FILE.fullmatch(old.name):  # the model's own, copied in after an export
+                shutil.copy2(old, tmp / old.name)
+                kept.append(old.name)
+    if kept:
+        logger.info("kept %s: the tokenizer in the folder this export replaces", ", ".join(kept))
     return Path(output_dir)
 
 

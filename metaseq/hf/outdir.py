@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -10,13 +11,20 @@ from typing import Iterator, Sequence
 
 from metaseq.hf.errors import ConversionError
 
-__all__ = ["atomic_directory", "check_output_directory"]
+__all__ = ["MODEL_FOLDER_FILE", "TOKENIZER_FILE", "atomic_directory", "check_output_directory"]
+
+# The files of a Hugging Face model folder (weights, configs, tokenizer): what --overwrite may replace.
+TOKENIZER_FILE = re.compile(r"(tokenizer|tokenizer_config|special_tokens_map|added_tokens|vocab)\.json|merges\.txt"
+                            r"|.*\.model")
+MODEL_FOLDER_FILE = re.compile(rf"{TOKENIZER_FILE.pattern}|(generation_)?config\.json|.*\.safetensors(\.index\.json)?"
+                               r"|pytorch_model.*\.bin(\.index\.json)?|README\.md|\.gitattributes")
 
 
 def check_output_directory(path: str | os.PathLike, *, overwrite: bool, inputs: Sequence[str] = (),
                            flag: str = "--output") -> None:
-    """Refuse, before anything is read or written: a file; an existing non-empty folder without `overwrite`;
-    a folder that holds one of the `inputs` (replacing it would delete them) or the current folder."""
+    """Refuse, before anything is read or written: a file; an existing non-empty folder without `overwrite`, or with
+    it one holding anything but a model folder's files (MODEL_FOLDER_FILE); a folder that holds one of the `inputs`
+    (replacing it would delete them) or the current folder."""
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise ConversionError(f"{flag} {path} is a file; give a folder name")
@@ -30,8 +38,14 @@ def check_output_directory(path: str | os.PathLike, *, overwrite: bool, inputs: 
     if real == Path.cwd().resolve() or real in Path.cwd().resolve().parents:
         raise ConversionError(f"{flag} {path} is (or holds) the current folder, which cannot be replaced; "
                               f"give {flag} a new folder, e.g. {flag} hf_model")
-    if any(path.iterdir()) and not overwrite:
+    entries = sorted(path.iterdir())
+    if entries and not overwrite:
         raise ConversionError(f"{flag} {path} exists and is not empty; pass --overwrite to replace it")
+    others = [e for e in entries if e.is_dir() or not MODEL_FOLDER_FILE.fullmatch(e.name)]
+    if others:  # the user's own files: replacing the folder would delete them
+        more = f" (and {len(others) - 1} more)" if len(others) > 1 else ""
+        raise ConversionError(f"{flag} {path} holds {others[0].name}{more}, which is not part of a Hugging Face model "
+                              "folder; --overwrite replaces the whole folder, so move them or give another folder")
 
 
 @contextlib.contextmanager

@@ -16,6 +16,7 @@ import torch
 
 from metaseq.errors import ReshardError, short_repr
 from metaseq.file_io import summarize_paths
+from metaseq.models.partition import rule_for
 from metaseq.reshard.layout import global_params
 from metaseq.reshard.optim import LAYOUT_KEYS
 from metaseq.reshard.options import ReshardOptions
@@ -71,13 +72,29 @@ def open_tensor_set(paths: Sequence[str], *, trust: bool = False, skip_optimizer
 
 def open_model_parts(groups: Sequence[Sequence[str]], *, trust: bool = False,
                      skip_optimizer_state: bool = False) -> TensorSet:
-    """The files of P model parts (each part's shards, ordered) as one model: each cut parameter merged."""
+    """The files of P model parts (each part's shards, ordered) as one model: each cut parameter merged, each
+    replicated tensor or optimizer scalar part 0's, and each part's copy that differs from part 0's, under
+    "NAME (model part p's copy, unlike part 0's)": what a merge would drop, so that a comparison sees it."""
     inputs = read_inputs([path for group in groups for path in group], trust=trust)
     options = ReshardOptions(unflatten_weights=True, skip_optimizer_state=skip_optimizer_state)
     merged = tensor_set_from_source(cut_model_parallel(inputs, groups, options, 1, flag="pattern")[0], inputs,
                                     stored_ties=False)
     each = "1 unflattened file" if merged.form == "1 unflattened file" else f"{len(groups[0])} flat shard(s)"
-    return replace(merged, form=f"{len(groups)} model parts of {each}")
+    model, optim, scalars = dict(merged.model), dict(merged.optim or {}), dict(merged.optim_scalars)
+    if len(groups) > 1:
+        own = [tensor_set_from_source(source, inputs, stored_ties=False)  # part p: its own replicated tensors
+               for source in cut_model_parallel(inputs, groups, options, len(groups), flag="pattern")]
+        for p, part in enumerate(own[1:], start=1):
+            copy = f" (model part {p}'s copy, unlike part 0's)"
+            for table, theirs, first in ((model, part.model, own[0].model), (optim, part.optim, own[0].optim)):
+                for key, tensor in (theirs or {}).items():
+                    if rule_for(key.split(" of ")[-1]) is None and tensor_difference(
+                            part.read(tensor), own[0].read(first[key])) is not None:
+                        table[key + copy] = tensor
+            scalars.update((key + copy, value) for key, value in part.optim_scalars.items()
+                           if not _same_value(value, own[0].optim_scalars[key]))
+    return replace(merged, form=f"{len(groups)} model parts of {each}", model=model,
+                   optim=None if merged.optim is None else optim, optim_scalars=scalars)
 
 
 def tensor_set_from_source(source: Source, inputs: Sequence[InputFile], output_dtype: str | None = None, *,

@@ -16,7 +16,7 @@ from typing import Any, Sequence
 from metaseq.errors import ReshardError
 from metaseq.models.partition import Rule, rule_for
 from metaseq.reshard.layout import FlatParam, ModelLayout
-from metaseq.reshard.optim import OptimLayout, StateEntry
+from metaseq.reshard.optim import OptimLayout, StateEntry, scalar_key
 from metaseq.reshard.ranges import Span, SpanIndex, join_spans, side_by_side
 from metaseq.reshard.schema import resolve
 from metaseq.torchzip import DType, Size, read_at
@@ -104,8 +104,9 @@ class _Cutter:
                 shape[rule.dim] //= self.num_parts
         return dataclasses.replace(fp, shapes=tuple(map(Size, shapes)))
 
-    def spans(self, k: int, part_spans: Sequence[Sequence[Span]]) -> tuple[Span, ...]:
-        """Output flat parameter k's elements: each of its parameters' pieces of the input parts, in order."""
+    def spans(self, k: int, part_spans: Sequence[Sequence[Span]], what: str = "") -> tuple[Span, ...]:
+        """Output flat parameter k's elements (or `what`, e.g. "exp_avg of ", its state's): each of its parameters'
+        pieces of the input parts, in order."""
         indexes, out = [SpanIndex(s) for s in part_spans], []
         ranges = zip(*(p.flat_params[k].ranges for p in self.parts))  # per parameter: (start, end) per part
         for name, starts_ends in zip(self.parts[0].flat_params[k].names, ranges):
@@ -113,7 +114,7 @@ class _Cutter:
             if rule is None:
                 copies = [index.slice(start, end) for index, (start, end) in zip(indexes, starts_ends)]
                 if self.own is None:
-                    self._warn_if_parts_differ(name, copies)
+                    self._warn_if_parts_differ(what + name, copies)
                 out += copies[self.own or 0]
                 continue
             columns, count, stride = _pieces(self.shapes[name], rule, len(self.parts), self.num_parts, self.part)
@@ -136,8 +137,14 @@ class _Cutter:
                                    "model parts: per-rank state (such as --fp16-adam-stats scales) belongs to the "
                                    f"elements each holds, which move with --num-output-parts={self.num_parts}; keep "
                                    f"{len(self.parts)} parts or pass --skip-optimizer-state")
+            others = [p for p, e in enumerate(entries) if scalar_key(e.values[0]) != scalar_key(entries[0].values[0])]
+            if others and not self.part and (k, entries[0].name) not in self.warned:  # once per run, by part 0
+                self.warned.add((k, entries[0].name))
+                logger.warning("last_optimizer_state.state[%d]['%s'] differs between parts (part %d vs part 0); using "
+                               "part 0's", k, entries[0].name, others[0])
             return entries[0]
-        return dataclasses.replace(entries[0], segments=self.spans(k, [e.segments for e in entries]))
+        return dataclasses.replace(entries[0], segments=self.spans(k, [e.segments for e in entries],
+                                                                   f"{entries[0].name} of "))
 
     def _warn_if_parts_differ(self, name: str, copies: Sequence[Sequence[Span]]) -> None:
         """A replicated tensor should be equal in every part: part 0's is used, a difference is reported."""

@@ -21,7 +21,7 @@ from metaseq.reshard.schema import OPTIM, clean_key, is_tensor
 from metaseq.torchzip import DType, Size, TensorRef
 
 __all__ = ["OptimLayout", "StateEntry", "analyze_optimizer", "assemble_consolidated_optimizer",
-           "assemble_flat_optimizer", "check_per_rank_state", "optimizer_targets"]
+           "assemble_flat_optimizer", "check_per_rank_state", "optimizer_targets", "scalar_key"]
 
 LAYOUT_KEYS = ("state", "param_id_map", "uncollected_local_ids")
 
@@ -34,13 +34,13 @@ def _copy_scalar(value: Any) -> Any:
     return value.compact() if is_tensor(value) else copy.deepcopy(value)
 
 
-def _scalar_key(value: Any) -> Any:
+def scalar_key(value: Any) -> Any:
     """`value` (a number, a one-element tensor, a list of them) comparable with == (NaN equal to NaN)."""
     if is_tensor(value):
-        return (repr(value.dtype), _scalar_key(value.value()) if value.numel() == 1 else tuple(value.shape))
+        return (repr(value.dtype), scalar_key(value.value()) if value.numel() == 1 else tuple(value.shape))
     if isinstance(value, float) and value != value:
         return "nan"
-    return tuple(map(_scalar_key, value)) if isinstance(value, list) else value
+    return tuple(map(scalar_key, value)) if isinstance(value, list) else value
 
 
 @dataclass(frozen=True)
@@ -157,7 +157,7 @@ def _flat_entry(osds: Sequence[Mapping[str, Any]], model: ModelLayout, k: int, n
             raise ReshardError(f"{label}: {OPTIM}.state[{k}] lacks '{name}', which {labels[0]} has")
     values = [osd["state"][k][name] for osd in osds]
     if not any(is_tensor(v) and v.dim() > 0 for v in values):
-        odd = next((r for r, v in enumerate(values) if _scalar_key(v) != _scalar_key(values[0])), 0) * (name == "step")
+        odd = next((r for r, v in enumerate(values) if scalar_key(v) != scalar_key(values[0])), 0) * (name == "step")
         if odd:  # one rank's would be written for all
             shown = [v.value() if is_tensor(v) and v.numel() == 1 else v for v in (values[odd], values[0])]
             raise ReshardError(f"{labels[odd]}: {OPTIM}.state[{k}]['step'] is {shown[0]!r} but {labels[0]}'s is "
@@ -221,7 +221,7 @@ def _consolidated_entry(state: Mapping[int, Mapping[str, Any]], model: ModelLayo
                         name: str, per_element: bool) -> StateEntry:
     first, fp = state[ids[0]][name], model.flat_params[k]
     if not per_element:
-        odd = next((g for g in ids[1:] if _scalar_key(state[g].get(name)) != _scalar_key(first)), None)
+        odd = next((g for g in ids[1:] if scalar_key(state[g].get(name)) != scalar_key(first)), None)
         if odd is not None:  # one value per flat parameter is kept: the others' would be lost
             raise ReshardError(f"{model.labels[0]}: {OPTIM}.state[{odd}]['{name}'] is {state[odd].get(name)!r} but "
                                f"state[{ids[0]}]['{name}'] is {first!r}; both are of flat parameter '{fp.key}', which "

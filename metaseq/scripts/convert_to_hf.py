@@ -47,7 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input", required=True, metavar="PATH_OR_GLOB",
                    help="a consolidated .pt file, or a quoted glob of one model part's raw shard files")
     p.add_argument("--output", required=True, metavar="DIR", help="the folder to write (parents are created)")
-    p.add_argument("--overwrite", action="store_true", help="replace DIR if it exists and is not empty")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace DIR if it exists and is not empty (it may hold only a model folder's files: "
+                   "weights, configs, tokenizer)")
     p.add_argument("--trust-checkpoint", action="store_true", help="allow arbitrary pickles (trusted files only)")
     p.add_argument("-q", "--quiet", action="store_true", help="log warnings and errors only")
     return p
