@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import glob
+import hashlib
 import logging
 import os
 import re
@@ -22,7 +23,7 @@ from metaseq.torchzip import NeedsTorch, check_record, zip_records
 __all__ = ["CheckpointLoadError", "atomic_output", "atomic_torch_save", "check_checkpoint_crc",
            "check_no_broken_links", "checkpoint_prefix", "find_model_parts", "find_shards", "folder_hint",
            "glob_files", "is_glob", "load_checkpoint", "model_part_number", "natural_sort_key",
-           "remove_stale_temp_files", "shard_file_name", "shard_glob", "summarize_paths"]
+           "pattern_forms", "remove_stale_temp_files", "shard_file_name", "shard_glob", "summarize_paths"]
 
 logger = logging.getLogger(__name__)
 
@@ -105,14 +106,18 @@ def find_model_parts(pattern: str, *, flag: str = "--input-glob-pattern") -> lis
 def glob_files(pattern: str) -> list[str]:
     """The files `pattern` matches, natural-sorted; '~' expanded as the shell would, also when quoted. Brackets that
     match nothing as a character class are part of the names (a folder named `run[1]`)."""
-    pattern = os.path.expanduser(pattern)
-    for candidate in (pattern, pattern.replace("[", "[[]")) if "[" in pattern else (pattern,):
+    for candidate in pattern_forms(os.path.expanduser(pattern)):
         matches = glob.glob(candidate)
         check_no_broken_links(matches)
         paths = sorted((p for p in matches if os.path.isfile(p)), key=natural_sort_key)
         if paths:
             return paths
     return []
+
+
+def pattern_forms(pattern: str) -> tuple[str, ...]:
+    """The ways to read a glob, in order: as it is, and where it has '[' with brackets as plain characters."""
+    return (pattern, pattern.replace("[", "[[]")) if "[" in pattern else (pattern,)
 
 
 def check_no_broken_links(paths: Sequence[str]) -> None:
@@ -238,7 +243,7 @@ def atomic_output(path: str | os.PathLike) -> Iterator[BinaryIO]:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)  # Path("name.pt").parent is Path(".")
     remove_stale_temp_files(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{_temp_stem(path.name)}.{os.getpid()}.", suffix=".tmp", dir=path.parent)
     try:
         os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes it 0600; permissions as `open` would give
         with os.fdopen(fd, "w+b") as f:
@@ -279,7 +284,7 @@ def remove_stale_temp_files(path: str | os.PathLike) -> None:
     """Remove the temp files of `path` whose writer died: `.NAME.<pid>.<random>.tmp` whose pid no longer
     runs on this host, and `.NAME.<random>.tmp` of older versions, which carry no pid."""
     path = Path(path)
-    stale_re = re.compile(rf"\.{re.escape(path.name)}\.(?:(\d+)\.)?[a-z0-9_]{{8}}\.tmp")
+    stale_re = re.compile(rf"\.{re.escape(_temp_stem(path.name))}\.(?:(\d+)\.)?[a-z0-9_]{{8}}\.tmp")
     try:
         names = os.listdir(path.parent)
     except OSError:
@@ -290,6 +295,15 @@ def remove_stale_temp_files(path: str | os.PathLike) -> None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path.parent / name)
                 logger.warning("removed %s, a temporary file left by a killed run", path.parent / name)
+
+
+def _temp_stem(name: str) -> str:
+    """`name` as its temp files begin (`.STEM.<pid>.<random>.tmp`, 22 bytes more): cut, with a hash of the whole
+    name, where those would pass the 255-byte limit of a file name."""
+    if len(name.encode()) <= 255 - 22:
+        return name
+    digest = hashlib.sha1(name.encode()).hexdigest()[:8]
+    return name.encode()[:200].decode(errors="ignore") + "~" + digest
 
 
 def _pid_alive(pid: int) -> bool:

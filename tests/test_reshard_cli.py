@@ -169,6 +169,25 @@ def test_fp16_cast_that_would_make_inf_is_refused_and_writes_nothing(tmp_path: P
     assert got["decoder.layers.0.fc2.bias"][1] == 60000.0 and got["decoder.layers.1.scale"][0] == float("inf")
 
 
+def test_output_names_near_the_file_name_limit_are_written(shard_dir: Path, tmp_path: Path) -> None:
+    """255 bytes is the limit of a file name; the temp file beside it (a pid and random letters longer) must fit."""
+    name = "x" * 240 + "-shard{i}.pt"  # 250 characters once {i} is a digit
+    assert main(["--input", _pattern(shard_dir), "--output", str(tmp_path / "out" / name), "--num-output-shards",
+                 "2", "--quiet"]) == 0
+    assert sorted(len(p.name) for p in (tmp_path / "out").iterdir()) == [250, 250]
+    assert "shard_metadata" in load_checkpoint(tmp_path / "out" / name.format(i=1))
+
+
+def test_model_part_placeholder_in_a_folder_named_with_brackets(tmp_path: Path) -> None:
+    """`run[1]` is a name, not a character class, with or without '{j}' (every part)."""
+    write_shards(make_shards(make_model(), 2), tmp_path / "run[1]")
+    for part in ("0", "{j}"):
+        out = tmp_path / f"out{len(part)}" / f"checkpoint_last-model_part-{part}-shard{{i}}.pt"
+        assert main(["--input", str(tmp_path / "run[1]" / f"checkpoint_last-model_part-{part}-shard*.pt"),
+                     "--output", str(out), "--num-output-shards", "3", "--quiet"]) == 0
+        assert len(list(out.parent.iterdir())) == 3
+
+
 def test_help_has_examples(capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["--help"])

@@ -246,31 +246,51 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _rank(rank: int, cwd: Path, port: int, argv: list[str]) -> subprocess.Popen:
+def _rank(rank: int, cwd: Path, port: int, argv: list[str], node: int | None = None) -> subprocess.Popen:
+    """Rank `rank` of 2 in `cwd`; `node`: torchrun's GROUP_RANK, the node it would run on (else: this host)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(port), "PYTHONPATH": str(REPO)}
+           "MASTER_PORT": str(port), "PYTHONPATH": str(REPO), **({} if node is None else {"GROUP_RANK": str(node)})}
     return subprocess.Popen([sys.executable, *argv], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
 
 
 def test_ranks_that_see_other_files_under_the_same_names_are_refused(tmp_path: Path) -> None:
     """Two nodes' local copies that are not one checkpoint (here: other cwds holding other runs): refused before
-    anything is written, on both ranks; copies of one checkpoint work."""
+    anything is written, on both ranks; copies of one checkpoint work. On one node, other working folders would
+    split the outputs between them: refused."""
     for rank, seeds in ((0, (0, 0)), (1, (0, 7))):
         for name, seed in zip(("same", "other"), seeds):
             write_shards(make_shards(make_model(seed=seed), 2), tmp_path / f"node{rank}" / name)
-    for name, rc in (("other", 2), ("same", 0)):
+    for name, rc, nodes, words in (("other", 2, (0, 1), "planned other inputs or outputs than rank 0"),
+                                   ("same", 2, (None, None), "would write its outputs elsewhere than another rank on "
+                                                             "its node (another working folder"),
+                                   ("same", 0, (0, 1), "")):
         argv = ["-m", "metaseq.scripts.reshard_fsdp", "--input", f"{name}/{SHARD.format(0, '*')}", "--output",
                 f"out_{name}/s{{i}}.pt", "--num-output-shards", "4", "--quiet"]
         port = _free_port()
-        procs = [_rank(r, tmp_path / f"node{r}", port, argv) for r in (0, 1)]
+        procs = [_rank(r, tmp_path / f"node{r}", port, argv, node=nodes[r]) for r in (0, 1)]
         results = [(p.wait(timeout=300), p.stderr.read()) for p in procs]
         assert [code for code, _ in results] == [rc, rc], results
         if rc:
             for _, err in results:
-                assert "rank 1 of 2 planned other inputs or outputs than rank 0" in _error_line(err), err
-            assert not list(tmp_path.glob("node*/out_other"))
+                assert f"rank 1 of 2 {words}" in _error_line(err), err
+            assert not list(tmp_path.glob(f"node*/out_{name}"))
     assert sorted(p.name for p in (tmp_path / "node0" / "out_same").iterdir()) == ["s0.pt", "s2.pt"]
+
+
+def test_ranks_given_other_flags_are_refused_naming_the_flag(tmp_path: Path) -> None:
+    """A flag only one rank gets would make a mixed checkpoint (here: one rank drops the data position)."""
+    write_shards(make_shards(make_model(), 2), tmp_path / "in")
+    argv = ["-m", "metaseq.scripts.reshard_fsdp", "--input", str(tmp_path / "in" / SHARD.format(0, "*")), "--output",
+            str(tmp_path / "out" / "s{i}.pt"), "--num-output-shards", "2", "--quiet"]
+    port = _free_port()
+    procs = [_rank(r, REPO, port, argv + ["--drop-metaseq-req"] * r) for r in (0, 1)]
+    for proc in procs:
+        assert proc.wait(timeout=300) == 2
+        assert _error_line(proc.stderr.read()) == ("ERROR: rank 1 of 2 was given --drop-metaseq-req=True but rank 0 "
+                                                   "--drop-metaseq-req=False; every rank must run the same command "
+                                                   "(the same flags)")
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_rank_that_dies_is_reported_in_one_line(parts_dir: Path, tmp_path: Path) -> None:

@@ -13,7 +13,8 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-from dataclasses import dataclass
+import socket
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any, Callable, Mapping, TypeVar
 
@@ -35,6 +36,10 @@ class World:
     size: int
     local_size: int = 1  # processes sharing this node's CPU mask (torchrun); Slurm gives each task its own
     launcher: str = "torchrun"
+    node: str = ""  # the launcher's node number (GROUP_RANK, SLURM_NODEID); "": not given, the host name tells
+
+    def node_name(self) -> str:
+        return self.node or socket.gethostname()
 
 
 def detect_world(env: Mapping[str, str] | None = None) -> World | None:
@@ -53,6 +58,7 @@ def detect_world(env: Mapping[str, str] | None = None) -> World | None:
         world = World(_env_int(env, names[0]), _env_int(env, names[1]) if names[1] else 1, 1, "slurm")
     else:
         return None
+    world = replace(world, node=env.get("GROUP_RANK", env.get("SLURM_NODEID", "")))
     if not 0 <= world.rank < world.size:
         raise ReshardError(f"{names[0]}={world.rank} is not a rank of {names[1] or 'SLURM_NTASKS'}={world.size} "
                            f"(0 to {world.size - 1}); launch with torchrun or srun, which set them")
@@ -133,37 +139,43 @@ def agree(world: World | None, fn: Callable[[], T]) -> T:
     """Run `fn` on every rank; if it failed anywhere, every rank raises the first failure's message."""
     if world is None or world.size == 1:
         return fn()
-    import torch.distributed as dist
-
     value, error = None, None
     try:
         value = fn()
     except Exception as e:  # noqa: BLE001 -- reported on every rank
         error = f"rank {world.rank} of {world.size}: {one_line_error(e)}"
-    errors: list = [None] * world.size
-    try:
-        dist.all_gather_object(errors, error, group=_group)
-    except RuntimeError as e:  # gloo: "Connection closed by peer"
-        raise ReshardError(f"rank {world.rank} of {world.size}: another rank stopped (killed?) before the ranks "
-                           f"agreed ({one_line_error(e)[:200]}); see its log, then run again") from None
-    failed = [e for e in errors if e is not None]
+    failed = [e for e in _gather(world, error) if e is not None]
     if failed:
         more = f" (and {len(failed) - 1} more rank(s) failed)" if len(failed) > 1 else ""
         raise ReshardError(failed[0] + more)
     return value
 
 
-def check_same(world: World | None, value: Callable[[], Any], what: str) -> None:
-    """Refuse a run whose ranks get different `value()`s (not called alone); `what` says what differs, and the fix."""
+def check_same(world: World | None, value: Callable[[], Any], what: str | Callable[[Any, Any], str], *,
+               group: Callable[[], Any] | None = None) -> None:
+    """Refuse a run whose ranks get different `value()`s (not called alone); `what` says what differs, and the fix
+    (or makes that text of the first rank's value and the other's). With `group`, only ranks of one `group()` (a
+    node) are compared, each with the first of its group."""
     if world is None or world.size == 1:
         return
+    first: dict = {}
+    for rank, (key, found) in enumerate(_gather(world, (group() if group else None, value()))):
+        ours = first.setdefault(key, found)
+        if found != ours:
+            raise ReshardError(f"rank {rank} of {world.size} {what if isinstance(what, str) else what(ours, found)}")
+
+
+def _gather(world: World, value: Any) -> list:
+    """Every rank's `value`, in rank order; a rank that is gone (gloo: "Connection closed by peer") in one line."""
     import torch.distributed as dist
 
     values: list = [None] * world.size
-    dist.all_gather_object(values, value(), group=_group)
-    other = next((r for r, v in enumerate(values) if v != values[0]), None)
-    if other is not None:
-        raise ReshardError(f"rank {other} of {world.size} {what}")
+    try:
+        dist.all_gather_object(values, value, group=_group)
+    except RuntimeError as e:
+        raise ReshardError(f"rank {world.rank} of {world.size}: another rank stopped (killed?) before the ranks "
+                           f"agreed ({one_line_error(e)[:200]}); see its log, then run again") from None
+    return values
 
 
 def barrier() -> None:

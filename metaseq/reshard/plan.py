@@ -24,7 +24,7 @@ from typing import Any, Mapping, Sequence
 
 from metaseq.errors import ReshardError, UserError
 from metaseq.file_io import (find_model_parts, find_shards, load_checkpoint, model_part_number, natural_sort_key,
-                             summarize_paths)
+                             pattern_forms, summarize_paths)
 from metaseq.reshard.layout import ModelLayout, ParamDict, analyze_model, output_cuts, output_metadata
 from metaseq.reshard.optim import (OptimLayout, analyze_optimizer, assemble_consolidated_optimizer,
                                    assemble_flat_optimizer, check_per_rank_state, optimizer_targets)
@@ -198,9 +198,11 @@ def expand_model_parts(input_glob_pattern: str, output_shard_name: str) -> list[
             f"{has} has '{PART}' but {lacks} has not; put '{PART}' (the model part number) in both, e.g. "
             "'ckpts/checkpoint_last-model_part-{j}-shard*.pt' and 'out/reshard-model_part-{j}.pt'"
         )
-    paths = glob.glob(input_glob_pattern.replace(PART, "*"))
-    found = {digits for path in paths for digits in set(re.findall(r"\d+", path))
-             if fnmatch.fnmatchcase(path, input_glob_pattern.replace(PART, digits))}
+    for pattern in pattern_forms(os.path.expanduser(input_glob_pattern)):  # a folder named `run[1]` too
+        found = {digits for path in glob.glob(pattern.replace(PART, "*")) for digits in set(re.findall(r"\d+", path))
+                 if fnmatch.fnmatchcase(path, pattern.replace(PART, digits))}
+        if found:
+            break
     if not found:
         raise ReshardError(
             f"--input-glob-pattern {input_glob_pattern!r} matches no files (with '{PART}' as a model part number)"

@@ -13,6 +13,8 @@ dicts already in memory, for loaders that hold them.
 from __future__ import annotations
 
 import logging
+import os
+from dataclasses import fields
 from typing import Any, Mapping, Sequence
 
 from metaseq.errors import CheckpointLoadError, ReshardError
@@ -37,15 +39,34 @@ def reshard(options: ReshardOptions, *, world: World | None = None) -> list[Plan
     """
     created = world is not None and dist_run.open_world(world)
     try:
+        dist_run.check_same(world, lambda: _run_options(options), _other_options)
         plans = dist_run.agree(world, lambda: plan_reshard(options))
-        dist_run.check_same(world, lambda: _contents(plans), "planned other inputs or outputs than rank 0 (other files under "
-                            "the same names: node-local copies of another checkpoint, or another working folder?); "
-                            "give every rank the same files and names")
+        dist_run.check_same(world, lambda: _contents(plans), "planned other inputs or outputs than rank 0 (other "
+                            "files under the same names: node-local copies of another checkpoint, or another working "
+                            "folder?); give every rank the same files and names")
+        dist_run.check_same(world, lambda: [os.path.abspath(o.path) for p in plans for o in p.outputs],
+                            "would write its outputs elsewhere than another rank on its node (another working folder, "
+                            "with relative paths?); start every rank in one folder, or give absolute paths",
+                            group=world.node_name if world else None)
         if not options.dry_run:
             _write_and_verify(world or World(0, 1), plans, options)
         return plans
     finally:
         dist_run.close_world(created)
+
+
+def _run_options(options: ReshardOptions) -> dict[str, Any]:
+    """What every rank must be given alike: the options but the files (`_contents` compares what they name) and
+    those of one process (workers, progress)."""
+    return {f.name: getattr(options, f.name) for f in fields(options)
+            if f.name not in ("input_glob_pattern", "output_shard_name", "num_workers", "quiet")}
+
+
+def _other_options(ours: Mapping[str, Any], theirs: Mapping[str, Any]) -> str:
+    name = next(k for k in ours if ours[k] != theirs[k])
+    flag = "--" + name.replace("_", "-")
+    return (f"was given {flag}={theirs[name]} but rank 0 {flag}={ours[name]}; every rank must run the same command "
+            "(the same flags)")
 
 
 def _contents(plans: Sequence[Plan]) -> list:
