@@ -233,11 +233,21 @@ def read_restore_files(restore_file: str, world_size: int, model_parallel_size: 
         logger.warning("--restore-file %s: the weights are %s; training runs in float32, so they are loaded and "
                        "saved as float32 (reshard_fsdp --output-dtype casts a save back)", restore_file, dtype)
     updates = saved_at(structures[0])[0]
-    extra = structures[0].get("extra_state")
+    positions = [_samples_seen(s) for s in structures]
+    if len(set(positions)) > 1:  # each rank would take its own: the data-parallel ranks' batches would not fit
+        odd = next(i for i, p in enumerate(positions) if p != positions[0])
+        raise RestoreError(f"--restore-file {restore_file}: {unique[odd]} is at sample {positions[odd]} of the data "
+                           f"but {unique[0]} at {positions[0]} (extra_state['train_iterator']['samples_seen']): the "
+                           "files were not saved together; restore the files of one save")
+    return Restored(updates if isinstance(updates, int) else 0, cfg, model, shapes, positions[0])
+
+
+def _samples_seen(structure: Mapping[str, Any]) -> int | None:
+    """A file's data position (what metaseq.cli.train saves), or None."""
+    extra = structure.get("extra_state")
     position = extra.get("train_iterator") if isinstance(extra, Mapping) else None
     samples = position.get("samples_seen") if isinstance(position, Mapping) else None
-    return Restored(updates if isinstance(updates, int) else 0, cfg, model, shapes,
-                    samples if type(samples) is int else None)
+    return samples if type(samples) is int else None
 
 
 def _missing_shards(files: list[str]) -> str:

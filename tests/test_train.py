@@ -202,6 +202,15 @@ def _two_runs(trained, tmp_path) -> str:
     return str(tmp_path / "checkpoint_last.pt")
 
 
+def _data_positions_differ(trained, tmp_path) -> str:
+    """shard1's data position edited: its rank would read other batches than rank 0."""
+    for rank in range(2):
+        ckpt = load_checkpoint(trained[2][0] / f"checkpoint_last-model_part-0-shard{rank}.pt")
+        ckpt["extra_state"]["train_iterator"]["samples_seen"] += 8 * rank
+        torch.save(ckpt, tmp_path / f"checkpoint_last-model_part-0-shard{rank}.pt")
+    return str(tmp_path / "checkpoint_last.pt")
+
+
 def _flat_single_file(trained, tmp_path) -> str:
     shutil.copy(trained[1][0] / "checkpoint_last-model_part-0-shard0.pt", tmp_path / "reshard-model_part-0.pt")
     return str(tmp_path / "reshard-model_part-0.pt")
@@ -258,6 +267,8 @@ def _not_a_training_checkpoint(trained, tmp_path) -> str:
                                 "rank per model part (--world-size 1)"),
         (_not_a_training_checkpoint, [], "--restore-file {R}: {R}: no 'model' dict"),
         (_two_runs, [], "{T}/checkpoint_last-model_part-0-shard1.pt comes from training run "),
+        (_data_positions_differ, [], "{T}/checkpoint_last-model_part-0-shard1.pt is at sample 56 of the data but "
+                                     "{T}/checkpoint_last-model_part-0-shard0.pt at 48"),
         (_edited(decoder_ffn_embed_dim=64), [], "--restore-file {R}: its cfg['model'] does not describe its weights "
                                                 "(edited?): 'decoder.layers.0.fc1.weight' is [71, 30] in the files but "
                                                 "[64, 30] in that model"),
