@@ -77,24 +77,35 @@ def open_model_parts(groups: Sequence[Sequence[str]], *, trust: bool = False,
     "NAME (model part p's copy, unlike part 0's)": what a merge would drop, so that a comparison sees it."""
     inputs = read_inputs([path for group in groups for path in group], trust=trust)
     options = ReshardOptions(unflatten_weights=True, skip_optimizer_state=skip_optimizer_state)
-    merged = tensor_set_from_source(cut_model_parallel(inputs, groups, options, 1, flag="pattern")[0], inputs,
-                                    stored_ties=False)
+    counts = (1, len(groups)) if len(groups) > 1 else (1,)  # merged, and (with parts) each part as it is
+    (whole,), *kept = cut_model_parallel(inputs, groups, options, counts, flag="pattern")
+    merged = tensor_set_from_source(whole, inputs, stored_ties=False)
     each = "1 unflattened file" if merged.form == "1 unflattened file" else f"{len(groups[0])} flat shard(s)"
-    model, optim, scalars = dict(merged.model), dict(merged.optim or {}), dict(merged.optim_scalars)
-    if len(groups) > 1:
-        own = [tensor_set_from_source(source, inputs, stored_ties=False)  # part p: its own replicated tensors
-               for source in cut_model_parallel(inputs, groups, options, len(groups), flag="pattern")]
-        for p, part in enumerate(own[1:], start=1):
-            copy = f" (model part {p}'s copy, unlike part 0's)"
-            for table, theirs, first in ((model, part.model, own[0].model), (optim, part.optim, own[0].optim)):
-                for key, tensor in (theirs or {}).items():
-                    if rule_for(key.split(" of ")[-1]) is None and tensor_difference(
-                            part.read(tensor), own[0].read(first[key])) is not None:
-                        table[key + copy] = tensor
-            scalars.update((key + copy, value) for key, value in part.optim_scalars.items()
-                           if not _same_value(value, own[0].optim_scalars[key]))
-    return replace(merged, form=f"{len(groups)} model parts of {each}", model=model,
-                   optim=None if merged.optim is None else optim, optim_scalars=scalars)
+    model, optim, scalars = _differing_copies([tensor_set_from_source(source, inputs, stored_ties=False)
+                                               for source in kept[0]]) if kept else ({}, {}, {})
+    return replace(merged, form=f"{len(groups)} model parts of {each}", model={**merged.model, **model},
+                   optim=None if merged.optim is None else {**merged.optim, **optim},
+                   optim_scalars={**merged.optim_scalars, **scalars})
+
+
+def _differing_copies(own: Sequence[TensorSet]) -> tuple[dict, dict, dict]:
+    """The model tensors, optimizer tensors and optimizer scalars of parts 1, 2, ... (each part's own replicated
+    ones) that differ from part 0's, as "NAME (model part p's copy, unlike part 0's)"; part 0's read once."""
+    found: tuple[dict, dict, dict] = ({}, {}, {})
+    for table, which in zip(found, ("model", "optim")):
+        for key, tensor in (getattr(own[0], which) or {}).items():
+            if rule_for(key.split(" of ")[-1]) is not None:  # a cut parameter's: each part holds another slice
+                continue
+            first = own[0].read(tensor)
+            for p, part in enumerate(own[1:], start=1):
+                theirs = getattr(part, which)[key]
+                if tensor_difference(part.read(theirs), first) is not None:
+                    table[f"{key} (model part {p}'s copy, unlike part 0's)"] = theirs
+    for p, part in enumerate(own[1:], start=1):
+        found[2].update((f"{key} (model part {p}'s copy, unlike part 0's)", value)
+                        for key, value in part.optim_scalars.items()
+                        if not _same_value(value, own[0].optim_scalars[key]))
+    return found
 
 
 def tensor_set_from_source(source: Source, inputs: Sequence[InputFile], output_dtype: str | None = None, *,

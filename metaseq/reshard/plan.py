@@ -139,7 +139,7 @@ def plan_model_parallel(options: ReshardOptions, *, flag: str = "--input-glob-pa
                 options.input_glob_pattern)
     inputs = read_inputs(paths, trust=options.trust_checkpoint)
     num_parts, files = options.num_output_parts, []
-    sources = cut_model_parallel(inputs, groups, options, num_parts, flag=flag)
+    (sources,) = cut_model_parallel(inputs, groups, options, (num_parts,), flag=flag)
     for q, (names, source) in enumerate(zip(_part_names(options, num_parts, paths), sources)):
         if source.optim is not None:  # kept only as the parts are (see cut_model_parts), and the shards
             check_per_rank_state(source.optim, source.model, options.num_output_shards, options.unflatten_weights)
@@ -149,9 +149,9 @@ def plan_model_parallel(options: ReshardOptions, *, flag: str = "--input-glob-pa
 
 
 def cut_model_parallel(inputs: Sequence[InputFile], groups: Sequence[Sequence[str]], options: ReshardOptions,
-                       num_parts: int, *, flag: str = "--input-glob-pattern") -> list[Source]:
-    """The Source of each of `num_parts` output parts, from P parts x N files (their names `groups`, read part by
-    part as `inputs`), checked to be one save of one model that `num_parts` parts fit."""
+                       counts: Sequence[int], *, flag: str = "--input-glob-pattern") -> list[list[Source]]:
+    """For each number of output parts in `counts`, the Source of each part, from P parts x N files (their names
+    `groups`, read part by part as `inputs`), checked once to be one save of one model that those parts fit."""
     structures, paths = [i.structure for i in inputs], [i.path for i in inputs]
     check_same_save(structures, paths)
     declared = cfg_value(structures[0].get("cfg"), "common", "model_parallel_size")
@@ -165,8 +165,10 @@ def cut_model_parallel(inputs: Sequence[InputFile], groups: Sequence[Sequence[st
     check_rank_order(structures, paths, len(groups))
     models, optims = [p.model for p in parts], [p.optim for p in parts]
     shapes = global_shapes(models)
-    check_parts_fit(shapes, num_parts, cfg_value(structures[0].get("cfg"), "model", "decoder_attention_heads"))
-    return [Source(*cut_model_parts(models, optims, shapes, num_parts, q, structures)) for q in range(num_parts)]
+    for num_parts in counts:
+        check_parts_fit(shapes, num_parts, cfg_value(structures[0].get("cfg"), "model", "decoder_attention_heads"))
+    return [[Source(*cut_model_parts(models, optims, shapes, num_parts, q, structures)) for q in range(num_parts)]
+            for num_parts in counts]
 
 
 def _part_names(options: ReshardOptions, num_parts: int, inputs: Sequence[str]) -> list[list[str]]:
