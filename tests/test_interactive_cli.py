@@ -109,8 +109,8 @@ def test_flat_checkpoint_gives_one_line_error_not_traceback(memorized, tmp_path)
         (["--path", "TMP/tensor.pt"], "TMP/tensor.pt: expected a checkpoint dict, found Tensor"),
         (["--path", "TMP/checkpoint_last.pt"], "TMP/checkpoint_last-model_part-0-shard1.pt is a broken symbolic link "
                                                "(to TMP/gone.pt, which does not exist); restore that file"),
-        (["--path", "TMP/edited.pt"], "TMP/edited.pt: 'decoder.embed_positions.weight' has shape (69, 30), the model "
-                                      "its config describes needs (52, 30); its cfg['model'] does not describe these "
+        (["--path", "TMP/edited.pt"], "TMP/edited.pt: 'decoder.embed_positions.weight' is [69, 30] in the weights "
+                                      "but [52, 30] in the model its config describes; its cfg['model'] does not describe these "
                                       "weights (edited?)"),
     ],
 )

@@ -269,11 +269,10 @@ def _not_a_training_checkpoint(trained, tmp_path) -> str:
         (_two_runs, [], "{T}/checkpoint_last-model_part-0-shard1.pt comes from training run "),
         (_data_positions_differ, [], "{T}/checkpoint_last-model_part-0-shard1.pt is at sample 56 of the data but "
                                      "{T}/checkpoint_last-model_part-0-shard0.pt at 48"),
-        (_edited(decoder_ffn_embed_dim=64), [], "--restore-file {R}: its cfg['model'] does not describe its weights "
-                                                "(edited?): 'decoder.layers.0.fc1.weight' is [71, 30] in the files but "
-                                                "[64, 30] in that model"),
-        (_edited(decoder_layers=3), [], "its cfg['model'] does not describe its weights (edited?): they lack "
-                                        "'decoder.layers.2."),
+        (_edited(decoder_ffn_embed_dim=64), [], "--restore-file {R}: 'decoder.layers.0.fc1.weight' is [71, 30] in "
+                                                "the weights but [64, 30] in the model its config describes; its "
+                                                "cfg['model'] does not describe its weights (edited?)"),
+        (_edited(decoder_layers=3), [], "--restore-file {R}: the weights lack 'decoder.layers.2."),
         (_broken_link, [], "{T}/checkpoint_last-model_part-0-shard1.pt is a broken symbolic link (to {T}/gone.pt, "
                            "which does not exist); restore that file, or remove the link"),
         (_last_shard_missing, [], "found 1 shard files but --world-size=2; their cfg says the save had 2 shards per "

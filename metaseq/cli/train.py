@@ -51,7 +51,7 @@ from metaseq.distributed.model_parallel import (
 from metaseq.errors import UserError
 from metaseq.file_io import load_checkpoint, summarize_paths
 from metaseq.models.model_parallel import check_model_parallel_sizes, vocab_parallel_loss_sum
-from metaseq.models.transformer_lm import ModelConfig, TransformerLanguageModel
+from metaseq.models.transformer_lm import ModelConfig, weights_mismatch
 from metaseq.reshard.schema import cfg_value
 from metaseq.tokenizer import PAD, VOCAB_SIZE
 
@@ -187,20 +187,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 def check_restored_weights(restore_file: str, model: ModelConfig, shapes: Mapping[str, Sequence[int]]) -> None:
     """The files' parameters must be those of the model their cfg['model'] describes (names and whole shapes), and
     its vocabulary must hold the byte tokenizer's ids that --data becomes; a larger one is trained on those ids."""
-    with torch.device("meta"):
-        built = TransformerLanguageModel(model)
-    params = {k: list(v.shape) for k, v in built.named_parameters()}
-    expected = {**params, **{k: list(v.shape) for k, v in built.named_buffers()}}
-    where = f"--restore-file {restore_file}: its cfg['model'] does not describe its weights (edited?):"
-    for name, shape in shapes.items():
-        if name not in expected:
-            raise ValueError(f"{where} they hold '{name}', which that model has not; restore files training wrote")
-        if list(shape) != expected[name]:
-            raise ValueError(f"{where} '{name}' is {list(shape)} in the files but {expected[name]} in that model; "
-                             "restore files training wrote")
-    if missing := [name for name in params if name not in shapes]:
-        raise ValueError(f"{where} they lack '{missing[0]}' ({len(missing)} parameter(s) missing); restore files "
-                         "training wrote")
+    if problem := weights_mismatch(model, shapes, whole_state=False):
+        raise ValueError(f"--restore-file {restore_file}: {problem}; its cfg['model'] does not describe its weights "
+                         "(edited?): restore files training wrote")
     if model.vocab_size < VOCAB_SIZE:
         raise ValueError(f"--restore-file {restore_file}: the model has {model.vocab_size} tokens, fewer than the "
                          f"{VOCAB_SIZE} ids of the byte tokenizer that --data is read with; restore a model of this "

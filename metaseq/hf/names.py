@@ -21,7 +21,7 @@ import torch
 
 from metaseq.hf.errors import ConversionError
 from metaseq.hf.variants import EMBED_TOKENS, FUSED_QKV_ORDER_METASEQ, model_parallel_size
-from metaseq.models.transformer_lm import ModelConfig, TransformerLanguageModel
+from metaseq.models.transformer_lm import ModelConfig, weights_mismatch
 
 __all__ = [
     "OUTPUT_PROJECTION",
@@ -108,18 +108,9 @@ def tie_and_version(state: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def check_state_matches_model(config: ModelConfig, state: Mapping[str, Any], *, source: str) -> None:
-    """Our names and shapes must be exactly those of `TransformerLanguageModel(config)` (built on meta)."""
-    with torch.device("meta"):
-        expected = TransformerLanguageModel(config).state_dict()
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    if missing or unexpected:
-        raise ConversionError(f"{source}: the weights do not match the model its config describes: "
-                              f"missing {missing[:4]}, unexpected {unexpected[:4]}")
-    for key, value in expected.items():
-        if tuple(state[key].shape) != tuple(value.shape):
-            raise ConversionError(f"{source}: '{key}' has shape {tuple(state[key].shape)}, "
-                                  f"the model its config describes needs {tuple(value.shape)}")
+    """Our names and shapes must be exactly those of `TransformerLanguageModel(config)`."""
+    if problem := weights_mismatch(config, {k: v.shape for k, v in state.items()}):
+        raise ConversionError(f"{source}: {problem}")
 
 
 def check_whole_model(config: ModelConfig, state: Mapping[str, Any], cfg: Any, *, source: str, fix: str) -> None:

@@ -20,7 +20,7 @@ import dataclasses
 import hashlib
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +35,7 @@ __all__ = [
     "TransformerLanguageModel",
     "build_model",
     "causal_attention",
+    "weights_mismatch",
     "self_attention",
     "embed",
     "init_named_weight_",
@@ -247,3 +248,23 @@ def _init_weights(model: nn.Module, seed: int) -> None:
 def build_model(cfg: ModelConfig, seed: int | None = None) -> TransformerLanguageModel:
     """Build the model; with `seed`, the initial weights depend only on the seed (and the names)."""
     return TransformerLanguageModel(cfg, seed=seed)
+
+
+def weights_mismatch(cfg: ModelConfig, shapes: Mapping[str, Sequence[int]], *, whole_state: bool = True) -> str | None:
+    """Why weights of these names and shapes are not `TransformerLanguageModel(cfg)`'s (built on meta), or None.
+
+    With `whole_state` they must be its whole state dict; without, its parameters (each tied one under its first
+    name), its buffers and the tied copies being optional, as FSDP's flat parameters hold them."""
+    with torch.device("meta"):
+        model = TransformerLanguageModel(cfg)
+    expected = {k: list(v.shape) for k, v in model.state_dict().items()}
+    required = expected if whole_state else dict(model.named_parameters())
+    model_text = "the model its config describes"
+    if extra := [name for name in shapes if name not in expected]:
+        return f"the weights hold '{extra[0]}' ({len(extra)} name(s) in all), which {model_text} has not"
+    if missing := [name for name in required if name not in shapes]:
+        return f"the weights lack '{missing[0]}' ({len(missing)} name(s) in all), which {model_text} has"
+    for name, shape in shapes.items():
+        if list(shape) != expected[name]:
+            return f"'{name}' is {list(shape)} in the weights but {expected[name]} in {model_text}"
+    return None
