@@ -110,8 +110,8 @@ def test_flat_checkpoint_gives_one_line_error_not_traceback(memorized, tmp_path)
         (["--path", "TMP/checkpoint_last.pt"], "TMP/checkpoint_last-model_part-0-shard1.pt is a broken symbolic link "
                                                "(to TMP/gone.pt, which does not exist); restore that file"),
         (["--path", "TMP/edited.pt"], "TMP/edited.pt: 'decoder.embed_positions.weight' is [69, 30] in the weights "
-                                      "but [52, 30] in the model its config describes; its cfg['model'] does not describe these "
-                                      "weights (edited?)"),
+                                      "but [52, 30] in the model its config describes; its cfg['model'] does not "
+                                      "describe these weights (edited?)"),
     ],
 )
 def test_bad_path_or_flag_is_one_line_error(memorized, args, culprit, capsys, tmp_path):
