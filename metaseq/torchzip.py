@@ -366,15 +366,29 @@ class _StorageTag(NamedTuple):  # what a storage class global resolves to
     dtype: DType
 
 
+class _Function(NamedTuple):
+    """What a function global of the format resolves to: called as it, and written back as that global where a
+    pickle holds it as a value (torch pickles a tensor with attributes as a call with `_rebuild_tensor_v2`)."""
+
+    module: str
+    name: str
+    function: Callable[..., Any]
+
+    def __call__(self, *args: Any) -> Any:
+        return self.function(*args)
+
+
 # The globals a pickle may have resolved. Each lookup returns a fresh object: BUILD can set
 # attributes on what a pickle names, and it must not reach anything shared with other files.
 _GLOBALS: dict[tuple[str, str], Callable[[], Any]] = {
     ("collections", "OrderedDict"): lambda: collections.OrderedDict,  # a class: BUILD cannot change it
-    ("torch._utils", "_rebuild_tensor_v2"): lambda: lambda *args: _rebuild_tensor(*args),
-    ("torch._utils", "_rebuild_parameter"): lambda: lambda data, grad, hooks: _rebuild_parameter(data, grad, hooks),
+    ("torch._utils", "_rebuild_tensor_v2"): lambda: _Function("torch._utils", "_rebuild_tensor_v2", _rebuild_tensor),
+    ("torch._utils", "_rebuild_parameter"): lambda: _Function("torch._utils", "_rebuild_parameter",
+                                                              _rebuild_parameter),
     ("torch", "Size"): lambda: Size,
-    ("_codecs", "encode"): lambda: lambda text, encoding="utf-8": codecs.encode(text, encoding),  # bytes
-    ("__builtin__", "bytes"): lambda: lambda: b"",  # an empty bytes object
+    ("_codecs", "encode"): lambda: _Function("_codecs", "encode", lambda text, encoding="utf-8":  # bytes
+                                             codecs.encode(text, encoding)),
+    ("__builtin__", "bytes"): lambda: _Function("__builtin__", "bytes", lambda: b""),  # an empty bytes object
 }
 _GLOBALS.update({("torch", d.storage): (lambda d=d: _StorageTag(d)) for d in _DTYPES})
 _GLOBALS.update({("torch", d.name): (lambda d=d: replace(d)) for d in _DTYPES})
@@ -579,6 +593,15 @@ _PICKLED = {type(None), bool, int, float, str, bytes, tuple, list, dict, collect
             bytearray, type, type(codecs.encode)}  # classes and functions: Opaque and format globals, `_codecs.encode`
 
 
+def _global_of(obj: Any) -> Any:
+    """The stand-in class (`_marker`) of the format global `obj` is read as, or `obj` itself."""
+    if type(obj) in (DType, _StorageTag):  # a dtype or storage class is the global torch.<name>
+        return _marker("torch", obj.name if type(obj) is DType else obj.dtype.storage)
+    if type(obj) is _Function:
+        return _marker(obj.module, obj.name)
+    return _marker("torch", "Size") if obj is Size else obj
+
+
 class _Pickler(pickle._Pickler):
     """The protocol-2 pickle torch.save writes (with Python's own pickler, whose `save_global` can write
     globals this module stands in for). Storages are persistent ids ('storage', torch.<X>Storage, key,
@@ -608,8 +631,8 @@ class _Pickler(pickle._Pickler):
             return _marker("torch._utils", "_rebuild_tensor_v2"), (*args, collections.OrderedDict())
         if kind is Size:
             return _marker("torch", "Size"), (tuple(obj),)
-        if kind is DType:
-            return obj.name  # a global: save_global
+        if kind in (DType, _StorageTag, _Function):
+            return "global"  # save_global writes the global it stands for
         if isinstance(obj, Opaque):  # REDUCE, or NEWOBJ; BUILD only for a state that is not None
             rest = (obj.state, iter(obj.items), iter(obj.entries))
             if kind is _Called:
@@ -618,7 +641,7 @@ class _Pickler(pickle._Pickler):
         raise TypeError(f"cannot write a {kind.__name__} into a checkpoint")
 
     def save_global(self, obj: Any, name: str | None = None) -> None:
-        stand_in = _marker("torch", obj.name) if type(obj) is DType else obj  # a dtype is the global torch.<name>
+        stand_in = _global_of(obj)
         if not (isinstance(stand_in, type) and issubclass(stand_in, Opaque)):  # Opaque, or a format global (`_marker`)
             return super().save_global(obj, name)
         if "." in stand_in.qualname:  # a nested class: as Python's pickler writes it at protocol 2
@@ -645,19 +668,30 @@ class _Entry:
 
 def _header(entry: _Entry, central: bool = False) -> bytes:
     """The entry's local header, padded so that its data starts at a multiple of ALIGNMENT; or with `central`,
-    its central directory entry. Sizes and offsets too big for their fields go into a zip64 extra field."""
-    values = [entry.size, entry.size, entry.header_offset][: 3 if central else 2]
+    its central directory entry. As torch's writer (miniz) does: sizes and the header's offset too big for their
+    fields go into a zip64 extra field, in both; the local header leaves CRC and sizes to the data descriptor
+    after the data (none after an empty record). `torch.load` may compute offsets from that layout."""
+    values = [entry.size, entry.size, entry.header_offset]
     big = [v for v in values if v >= ZIP64_LIMIT]
     extra = struct.pack(f"<HH{len(big)}Q", 1, 8 * len(big), *big) if big else b""
     if not central:
         pad = -(entry.header_offset + 30 + len(entry.name) + len(extra) + 4) % ALIGNMENT  # 4: the field's header
         extra += struct.pack("<HH", 0x4246, pad) + b"Z" * pad  # "FB": torch's padding field
-    version = 45 if big else 20
-    shown = [_ZIP64_MARK if v >= ZIP64_LIMIT else v for v in values]
-    fields = struct.pack("<HHHHHIIIHH", version, 0, 0, 0, 33, entry.crc, *shown[:2], len(entry.name), len(extra))
+    version, flags = 45 if big else 20, 0x808 if entry.size else 0x800  # UTF-8 names; bit 3: a data descriptor
+    shown = [_ZIP64_MARK if v >= ZIP64_LIMIT else v for v in values] if central else [0, 0, 0]
+    crc = entry.crc if central else 0
+    fields = struct.pack("<HHHHHIIIHH", version, flags, 0, 0, 33, crc, *shown[:2], len(entry.name), len(extra))
     if central:  # version made by first; then comment length, disk, attributes, the local header's offset
         fields = struct.pack("<H", version) + fields + struct.pack("<HHHII", 0, 0, 0, 0, shown[2])
     return (b"PK\x01\x02" if central else b"PK\x03\x04") + fields + entry.name + extra
+
+
+def _descriptor(entry: _Entry) -> bytes:
+    """The data descriptor after a record's data: its CRC32 and sizes (8 bytes each where the entry is zip64)."""
+    if not entry.size:
+        return b""
+    wide = entry.size >= ZIP64_LIMIT or entry.header_offset >= ZIP64_LIMIT
+    return struct.pack("<4sI" + ("QQ" if wide else "II"), b"PK\x07\x08", entry.crc, entry.size, entry.size)
 
 
 def _end_records(count: int, cd_offset: int, cd_size: int) -> bytes:
@@ -700,7 +734,7 @@ def write_checkpoint(fd: int, obj: Any, *, crc32: bool = False, report: Report |
     for entry in entries:
         entry.header_offset = offset
         entry.data_offset = offset + len(_header(entry))
-        offset = entry.data_offset + entry.size
+        offset = entry.data_offset + entry.size + len(_descriptor(entry))
     os.ftruncate(fd, offset)  # what no copy covers (padding, zeros) is never written: it reads as zeros
     by_source: dict[str, list[tuple[Copy, _Entry]]] = {}  # input file: copies from it, and their entries
     for entry in entries:
@@ -720,6 +754,7 @@ def write_checkpoint(fd: int, obj: Any, *, crc32: bool = False, report: Report |
         if crc32 and entry.storage:
             entry.crc = _crc32_at(fd, entry.data_offset, entry.size)
         pwrite_all(fd, _header(entry) + entry.data, entry.header_offset)
+        pwrite_all(fd, _descriptor(entry), entry.data_offset + entry.size)
     cd = b"".join(_header(e, central=True) for e in entries)
     tail = cd + _end_records(len(entries), offset, len(cd))
     pwrite_all(fd, tail, offset)

@@ -1,5 +1,6 @@
 """metaseq.torchzip: torch's checkpoint format read and written without torch, checked against torch itself."""
 import argparse
+import codecs
 import collections
 import errno
 import os
@@ -77,6 +78,27 @@ def test_rewritten_checkpoint_loads_in_torch_as_the_original(tmp_path: Path, mma
     assert loaded["model"]["weight"] is loaded["model"]["tied"]
     pointers = {v.untyped_storage().data_ptr() for v in loaded["views"]}
     assert len(pointers) == 1
+
+
+@pytest.mark.parametrize("big", [False, True])
+def test_torch_can_compute_the_record_offsets_from_the_layout(tmp_path: Path, monkeypatch, big: bool) -> None:
+    """torch.load may compute where each storage's data lies from miniz's layout (data descriptors, zip64 fields)
+    instead of reading every local header; TORCH_SERIALIZATION_DEBUG makes it check them against the headers.
+    `big`: a 4 GiB storage first (never written, so the file is sparse), so the records after it are zip64."""
+    import torch.utils.serialization.config as serialization_config
+
+    original = _sample()
+    torch.save(original, tmp_path / "in.pt")
+    obj = read_structure(str(tmp_path / "in.pt"))
+    if big:
+        obj = {"big": TensorRef.empty([2**32 + 8], torchzip.dtype_by_name("uint8")), **obj}
+    with open(tmp_path / "out.pt", "wb") as f:
+        write_checkpoint(f.fileno(), obj)
+    monkeypatch.setenv("TORCH_SERIALIZATION_DEBUG", "1")
+    with serialization_config.patch({"load.calculate_storage_offsets": True}):
+        loaded = torch.load(tmp_path / "out.pt", weights_only=True, mmap=True)
+    assert loaded.pop("big").shape == (2**32 + 8,) if big else "big" not in loaded
+    _assert_same(original, loaded)
 
 
 def test_the_pickle_is_byte_for_byte_the_one_torch_save_writes(tmp_path: Path) -> None:
@@ -260,6 +282,21 @@ class Keyword:
 
     def __eq__(self, other: object) -> bool:
         return type(other) is Keyword and (other.a, other.b) == (self.a, self.b)
+
+
+def test_globals_of_the_format_held_as_values_are_written_back_as_those_globals(tmp_path: Path) -> None:
+    """A tensor with attributes is pickled as a call given the function `_rebuild_tensor_v2` itself; classes and
+    functions the reader resolves may also be plain values."""
+    tagged = torch.arange(4.0)
+    tagged.note = "kept"
+    original = {"tagged": tagged, "classes": [torch.Size, torch.FloatStorage, torch.float16], "encode": codecs.encode}
+    torch.save(original, tmp_path / "in.pt")
+    _rewrite(tmp_path / "in.pt", tmp_path / "out.pt")
+    loaded = torch.load(tmp_path / "out.pt", weights_only=False)
+    assert torch.equal(loaded["tagged"], tagged) and loaded["tagged"].note == "kept"
+    assert loaded["classes"][0] is torch.Size and loaded["classes"][2] is torch.float16
+    assert loaded["classes"][1].dtype == torch.float32 and loaded["encode"] is codecs.encode
+    assert torch.load(tmp_path / "out.pt", weights_only=True)["classes"][0] is torch.Size
 
 
 def test_objects_made_with_keyword_arguments_are_carried_not_called_corrupt(tmp_path: Path) -> None:
