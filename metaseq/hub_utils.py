@@ -70,7 +70,7 @@ _FLAT_KEY = re.compile(r"(^|\.)flat_param_\d+$")
 _SHOWN_KEYS = 6
 
 
-class InferenceLoadError(RuntimeError):
+class InferenceLoadError(UserError, RuntimeError):
     """A checkpoint cannot be served as given; the message names the file and the fix."""
 
 

@@ -188,6 +188,16 @@ def exported(tmp_path_factory):
     return save_dir, out
 
 
+def test_a_saves_name_exports_its_shards_and_shard_errors_name_the_input_flag(exported, tmp_path, capsys):
+    save_dir, out = exported
+    assert convert_to_hf.main(["--input", str(save_dir / "checkpoint_last.pt"), "--output", str(tmp_path / "hf")]) == 0
+    assert (tmp_path / "hf" / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
+    code, err = _run_cli(convert_to_hf, ["--input", str(save_dir / "checkpoint_*-shard*.pt"),
+                                         "--output", str(tmp_path / "two")], capsys)
+    assert code == 2 and "--input matches two checkpoints (or a copy): make it match one" in err, err
+    assert "--input-glob-pattern" not in err and not (tmp_path / "two").exists()
+
+
 def test_trained_model_exported_to_hf_gives_hf_our_logits(exported):
     save_dir, out = exported
     ours = GeneratorInterface.from_checkpoint(str(save_dir / "checkpoint_last.pt")).model
@@ -547,6 +557,13 @@ def test_inputs_of_several_model_parts_or_a_folder_are_refused_naming_the_fix(tm
     code, err = _run_cli(convert_to_hf, ["--input", str(tmp_path), "--output", str(tmp_path / "hf")], capsys)
     assert code == 2 and "it is a folder: name a checkpoint in it" in err and "reshard-model_part-0.pt" in err
     assert not (tmp_path / "hf").exists()
+
+
+def test_a_file_that_is_no_checkpoint_is_named_without_an_exception_type(tmp_path, capsys):
+    atomic_torch_save([1, 2], tmp_path / "list.pt")
+    code, err = _run_cli(convert_to_hf, ["--input", str(tmp_path / "list.pt"), "--output", str(tmp_path / "hf")],
+                         capsys)
+    assert (code, err) == (2, f"ERROR: {tmp_path}/list.pt: expected a checkpoint dict, found list")
 
 
 def test_output_folder_holding_the_inputs_or_the_cwd_is_refused_and_nothing_is_lost(tmp_path, capsys, monkeypatch):

@@ -323,6 +323,8 @@ def test_shapes_that_contradict_the_rules_are_refused(tmp_path, capsys):
 @pytest.mark.parametrize("flags, words", [
     (["--num-output-parts", "2", "--num-output-shards", "2", "--unflatten-weights"], "--unflatten-weights needs"),
     (["--num-output-parts", "2", "--output", "OUT/x-shard{i}.pt"], "--num-output-parts=2 but --output-shard-name"),
+    (["--num-output-parts", "2", "--output", "OUT/model_part-{j}/x{i}.pt"],  # read back by the file's name
+     "has no 'model_part-{j}' in its file name"),
     (["--num-output-parts", "1", "--num-output-shards", "2", "--output", "OUT/part{j}.pt"],
      "--num-output-shards=2 but --output-shard-name"),
     (["--num-output-parts", "2", "--num-output-shards", "2", "--output", "OUT/reshard-model_part-{j}.pt"],  # as given

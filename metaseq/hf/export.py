@@ -21,7 +21,8 @@ from typing import Any, Mapping
 
 import torch
 
-from metaseq.file_io import folder_hint, glob_files, is_glob, model_part_number
+from metaseq.errors import UserError
+from metaseq.file_io import find_shards, folder_hint, glob_files, is_glob, model_part_number, shard_glob
 from metaseq.hf.config import DTYPE_NAMES, hf_config, hf_generation_config
 from metaseq.hf.errors import ConversionError
 from metaseq.hf.names import check_whole_model, split_fused_qkv, to_hf_state_dict, upstream_state_for_model
@@ -50,6 +51,8 @@ def convert_to_hf(input_path: str, output_dir: str | os.PathLike, *, overwrite: 
     model-parallel parts, an output folder that holds an input (replacing it would delete it).
     """
     input_path, output_dir = os.path.expanduser(input_path), os.path.expanduser(output_dir)  # a quoted '~' too
+    if not is_glob(input_path) and not os.path.isfile(input_path) and glob_files(shard_glob(input_path)):
+        input_path = shard_glob(input_path)  # the name of a save (DIR/checkpoint_last.pt), as training takes it
     try:
         inputs = input_files(input_path)
     except ConversionError:
@@ -89,6 +92,10 @@ def input_files(input_path: str) -> list[str]:
             raise ConversionError(f"--input {input_path!r} matches model parts {parts} of a model-parallel "
                                   f"checkpoint; export needs the whole model in one part: merge them first with "
                                   f"{merge_parts_command(files[0])}, then pass its output as --input")
+        try:
+            files = find_shards(input_path, flag="--input")
+        except UserError as e:
+            raise ConversionError(str(e)) from None
     return files
 
 

@@ -174,10 +174,10 @@ def cut_model_parallel(inputs: Sequence[InputFile], groups: Sequence[Sequence[st
 def _part_names(options: ReshardOptions, num_parts: int, inputs: Sequence[str]) -> list[list[str]]:
     """Output names per part: `{j}` the part, `{i}` the shard."""
     name = options.output_shard_name
-    if num_parts > 1 and "model_part-{j}" not in name:
+    if num_parts > 1 and "model_part-{j}" not in os.path.basename(name):
         raise ReshardError(
-            f"--num-output-parts={num_parts} but --output-shard-name {name!r} has no 'model_part-{PART}' (the model "
-            "part, as the tools read it back); e.g. 'out/checkpoint_last-model_part-{j}-shard{i}.pt'"
+            f"--num-output-parts={num_parts} but --output-shard-name {name!r} has no 'model_part-{PART}' in its file "
+            "name (the model part, as the tools read it back); e.g. 'out/checkpoint_last-model_part-{j}-shard{i}.pt'"
         )
     _check_readable(name, PART, "model part", "'...-model_part-{j}-...'")
     return [output_paths(name.replace(PART, str(q)), options.num_output_shards, inputs, overwrite=options.overwrite)

@@ -45,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--input", required=True, metavar="PATH_OR_GLOB",
-                   help="a consolidated .pt file, or a quoted glob of one model part's raw shard files")
+                   help="a consolidated .pt file, a quoted glob of one model part's raw shard files, or the name "
+                        "of a save as training takes it (DIR/checkpoint_last.pt: its shards)")
     p.add_argument("--output", required=True, metavar="DIR", help="the folder to write (parents are created)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace DIR if it exists and is not empty (it may hold only a model folder's files: "
