@@ -104,9 +104,11 @@ def save_training_checkpoint(
         try:
             atomic_torch_save(state, path)
         except OSError as e:
-            raise OSError(e.errno, f"{path}: cannot save it ({e.strerror or e}); checkpoint_last is left at the "
-                          "last complete save: free space there (or give another --save-dir) and restore from it"
-                          ) from None
+            last = os.path.join(save_dir, shard_file_name("checkpoint_last", model_part, rank))
+            left = ("checkpoint_last is left at the last complete save: free space there (or give another "
+                    "--save-dir) and restore from it") if os.path.exists(last) else (
+                    "there is no earlier save: free space there (or give another --save-dir) and train again")
+            raise OSError(e.errno, f"{path}: cannot save it ({e.strerror or e}); {left}") from None
         paths.append(path)
     return paths
 

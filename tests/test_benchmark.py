@@ -151,6 +151,8 @@ def test_memory_bound_counts_output_shard_largest_flat_and_slack():
     (["--plot-sizes", "1,0"], "--plot-sizes '1,0': expected positive GB sizes"),
     (["--out", "NOWHERE/results.json"], "--out NOWHERE/results.json: not a file in an existing folder"),
     (["--workdir", "FILE"], "--workdir FILE is a file; give a folder"),
+    (["--out", "/proc/results.json"], "--out /proc/results.json: cannot write in /proc ("),  # not after the runs
+    (["--workdir", "/proc/bench"], "--workdir /proc/bench: cannot create it ("),
 ])
 def test_bad_flags_are_one_line_errors_before_anything_runs(tmp_path, capsys, argv, words):
     (tmp_path / "file").write_text("")

@@ -328,8 +328,9 @@ def test_an_error_inside_a_rank_is_one_line(tmp_path):
                           env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
-    assert "failed: OSError: [Errno 27] " in last and "checkpoint_1-model_part-0-shard" in last, proc.stderr
-    assert "cannot save it (File too large); checkpoint_last is left at the last complete save" in last
+    assert f"failed: {tmp_path}/run/checkpoint_1-model_part-0-shard" in last, proc.stderr  # no error type
+    assert "cannot save it (File too large); there is no earlier save: free space there" in last
+    assert "Terminating process" not in proc.stderr  # torch's note as it stops the other rank
     assert not list((tmp_path / "run").glob("checkpoint_last*")), "a failed first save must not leave checkpoint_last"
 
 
@@ -341,7 +342,8 @@ def test_a_save_that_fails_on_one_rank_leaves_checkpoint_last_at_the_last_comple
     proc = run_train(tmp_path / "run", world_size=2, max_update=2, extra=["--save-interval-updates", "1"],
                      check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
-    assert f"rank 1 failed: IsADirectoryError: [Errno 21] {blocked}: cannot save it (Is a directory)" in proc.stderr
+    assert (f"rank 1 failed: {blocked}: cannot save it (Is a directory); checkpoint_last is left at the last "
+            "complete save") in proc.stderr
     saved = [line for line in proc.stderr.splitlines() if "| saved " in line]
     assert len(saved) == 1 and "checkpoint_1-model_part-0-shard0.pt" in saved[0], proc.stderr
     for rank in range(2):

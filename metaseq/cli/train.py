@@ -18,10 +18,12 @@ do not depend on P or D (up to summation order).
 from __future__ import annotations
 
 import argparse
+import builtins
 import dataclasses
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -414,6 +416,8 @@ def make_save_dir(path: str) -> None:
 
 
 RESUME_HINT = "the last complete save is the one to --restore-file"
+_OS_ERRORS = "|".join(name for name, c in vars(builtins).items() if isinstance(c, type) and issubclass(c, OSError))
+_USER_ERROR_PREFIX = rf"^(({_OS_ERRORS}): (\[Errno \d+\] )?|metaseq\.[\w.]+: )"  # a rank's error, as traceback ends
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -429,7 +433,8 @@ def main(argv: list[str] | None = None) -> int:
         with sigterm_raises():  # the rendezvous folder is removed, and the ranks stop with this process
             launch(cfg)
     except mp.ProcessRaisedException as e:  # the rank's traceback, as text: its last line is the error
-        logger.error("rank %d failed: %s", e.error_index, str(e).strip().splitlines()[-1])
+        error = str(e).strip().splitlines()[-1]  # as one_line_error reports it: ours and OSErrors by their message
+        logger.error("rank %d failed: %s", e.error_index, re.sub(_USER_ERROR_PREFIX, "", error))
         return 2
     except mp.ProcessExitedException as e:  # killed (e.g. out of memory) or exited without a Python error
         logger.error("rank %d %s", e.error_index, str(e).split(" ", 2)[-1])

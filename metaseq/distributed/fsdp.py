@@ -1,6 +1,7 @@
 """Process-group start-up and fairscale FSDP wrapping for the LM."""
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 from typing import Any, Callable
@@ -34,6 +35,7 @@ def start_ranks(fn: Callable[..., None], args: tuple[Any, ...], nprocs: int) -> 
     this process stops the ranks before it goes: they would train on without it.
     """
     method = "spawn" if torch.cuda.is_available() else "fork"
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # "Terminating process": as one failed
     context = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method=method)
     try:
         while not context.join():

@@ -81,10 +81,19 @@ def check_args(args: argparse.Namespace) -> None:
         raise UserError(f"--plot-sizes {args.plot_sizes!r}: expected positive GB sizes such as 0.25,0.5,1") from None
     if args.out and (os.path.isdir(args.out) or not os.path.isdir(os.path.dirname(os.path.abspath(args.out)))):
         raise UserError(f"--out {args.out}: not a file in an existing folder; give e.g. results.json")
+    if args.out:  # found before the runs, not after them
+        _check_writable(os.path.dirname(os.path.abspath(args.out)), f"--out {args.out}")
     if args.workdir and os.path.exists(args.workdir) and not os.path.isdir(args.workdir):
         raise UserError(f"--workdir {args.workdir} is a file; give a folder (made if needed)")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise UserError("--plot needs matplotlib: pip install -e '.[bench]'")
+
+
+def _check_writable(folder: str, what: str) -> None:
+    try:
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as e:
+        raise UserError(f"{what}: cannot write in {folder} ({e.strerror}); give a writable path") from None
 
 
 def machine_info(folder: Path) -> dict[str, Any]:
@@ -142,7 +151,11 @@ def _run(args: argparse.Namespace) -> int:
     if importlib.util.find_spec(TOOL_MODULE) is None:
         raise UserError(f"{TOOL_MODULE} is not importable; install the package (pip install -e .) first")
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="benchmark_reshard-"))
-    workdir.mkdir(parents=True, exist_ok=True)
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"--workdir {workdir}: cannot create it ({e.strerror}); give a writable folder") from None
+    _check_writable(str(workdir), f"--workdir {workdir}")
     config = runner.BenchConfig(
         args.size_gb, args.scenario_list, workdir, layers=args.layers, drop_caches=args.drop_caches,
         repeats=args.repeat, keep_inputs=args.keep, per_file_limit_s=args.per_file_limit_s,
