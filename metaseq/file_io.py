@@ -202,6 +202,14 @@ def _shard_indices(paths: Sequence[str]) -> list[int]:
     return list(varying.pop())
 
 
+def file_in_the_way(path: str | os.PathLike) -> str | None:
+    """The nearest existing parent of `path` if it is not a folder (a file: writing `path` fails), else None."""
+    parent = os.path.dirname(os.path.normpath(os.fspath(path)))
+    while parent and not os.path.lexists(parent) and os.path.dirname(parent) != parent:
+        parent = os.path.dirname(parent)
+    return parent if parent and os.path.lexists(parent) and not os.path.isdir(parent) else None
+
+
 def model_part_number(path: str) -> int | None:
     """J of a file named '...model_part-J...', else None."""
     return _last_int(_PART_RE, path)

@@ -559,11 +559,15 @@ def test_inputs_of_several_model_parts_or_a_folder_are_refused_naming_the_fix(tm
     assert not (tmp_path / "hf").exists()
 
 
-def test_a_file_that_is_no_checkpoint_is_named_without_an_exception_type(tmp_path, capsys):
+def test_a_file_that_is_no_checkpoint_or_an_output_under_a_file_is_one_plain_line(tmp_path, capsys):
     atomic_torch_save([1, 2], tmp_path / "list.pt")
     code, err = _run_cli(convert_to_hf, ["--input", str(tmp_path / "list.pt"), "--output", str(tmp_path / "hf")],
                          capsys)
-    assert (code, err) == (2, f"ERROR: {tmp_path}/list.pt: expected a checkpoint dict, found list")
+    assert (code, err) == (2, f"ERROR: {tmp_path}/list.pt: expected a checkpoint dict, found list")  # no type name
+    code, err = _run_cli(convert_to_hf, ["--input", str(tmp_path / "list.pt"), "--output",
+                                         str(tmp_path / "list.pt" / "hf")], capsys)
+    assert (code, err) == (2, f"ERROR: --output {tmp_path}/list.pt/hf would be in {tmp_path}/list.pt, which is a "
+                              "file, not a folder; give a path in a folder")
 
 
 def test_output_folder_holding_the_inputs_or_the_cwd_is_refused_and_nothing_is_lost(tmp_path, capsys, monkeypatch):

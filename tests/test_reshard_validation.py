@@ -449,6 +449,13 @@ def test_output_that_is_a_directory(tmp_path: Path, capsys) -> None:
     assert "dir.pt is a directory" in _fails(tmp_path, capsys, ["--input", pattern, "--output", str(tmp_path / "dir.pt")])
 
 
+def test_output_in_a_folder_that_is_a_file(tmp_path: Path, capsys) -> None:
+    pattern = _write(tmp_path)
+    (tmp_path / "notes").write_text("")
+    line = _fails(tmp_path, capsys, ["--input", pattern, "--output", str(tmp_path / "notes" / "new" / "x.pt")])
+    assert f"would be in {tmp_path}/notes, which is a file, not a folder; give a path in a folder" in line
+
+
 @pytest.mark.parametrize("name, example", [("new/", "new/reshard-model_part-0.pt"), ("", "reshard-model_part-0.pt")])
 def test_output_name_that_names_no_file(tmp_path: Path, capsys, monkeypatch, name: str, example: str) -> None:
     pattern = _write(tmp_path)

@@ -9,6 +9,7 @@ import tempfile
 from pathlib import Path
 from typing import Iterator, Sequence
 
+from metaseq.file_io import file_in_the_way
 from metaseq.hf.errors import ConversionError
 
 __all__ = ["MODEL_FOLDER_FILE", "TOKENIZER_FILE", "atomic_directory", "check_output_directory"]
@@ -28,6 +29,9 @@ def check_output_directory(path: str | os.PathLike, *, overwrite: bool, inputs: 
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise ConversionError(f"{flag} {path} is a file; give a folder name")
+    if blocker := file_in_the_way(path):
+        raise ConversionError(f"{flag} {path} would be in {blocker}, which is a file, not a folder; give a path in a "
+                              "folder")
     if not path.is_dir():
         return
     real = path.resolve()

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from metaseq.errors import ReshardError, UserError
-from metaseq.file_io import (find_model_parts, find_shards, load_checkpoint, model_part_number, natural_sort_key,
-                             pattern_forms, summarize_paths)
+from metaseq.file_io import (file_in_the_way, find_model_parts, find_shards, load_checkpoint, model_part_number,
+                             natural_sort_key, pattern_forms, summarize_paths)
 from metaseq.reshard.layout import ModelLayout, ParamDict, analyze_model, output_cuts, output_metadata
 from metaseq.reshard.optim import (OptimLayout, analyze_optimizer, assemble_consolidated_optimizer,
                                    assemble_flat_optimizer, check_per_rank_state, optimizer_targets)
@@ -222,6 +222,9 @@ def output_paths(output_shard_name: str, num_output_shards: int, inputs: Sequenc
             raise ReshardError(f"--output-shard-name: {path} is also an input; write to another name")
         if os.path.isdir(path):
             raise ReshardError(f"--output-shard-name: {path} is a directory; give a file name")
+        if blocker := file_in_the_way(path):
+            raise ReshardError(f"--output-shard-name: {path} would be in {blocker}, which is a file, not a folder; "
+                               "give a path in a folder")
     existing = [p for p in outputs if os.path.exists(p)]
     if existing and not overwrite:
         raise ReshardError(f"{summarize_paths(existing)} already exist(s); pass --overwrite to replace")
