@@ -113,12 +113,12 @@ def test_model_part_placeholder_must_be_in_both_names(inp: str, out: str, flag: 
 def test_worker_error_is_one_line_and_leaves_no_output(parts_dir: Path, tmp_path: Path, capsys) -> None:
     out = tmp_path / "out"
     out.mkdir()
-    (out / "1").write_text("a file where output 1's folder should be")
+    (out / "1").symlink_to("/proc")  # output 1's folder: a folder where no file can be made, even by root
     argv = ["--input", _pattern(parts_dir), "--output", str(out / "{i}" / "shard.pt"), "--num-output-shards", "3",
             "--num-workers", "2"]
     assert main(argv) == 2
     assert f"{out / '1' / 'shard.pt'}: cannot write" in _error_line(capsys.readouterr().err)
-    assert [p.name for p in out.rglob("*") if p.is_file()] == ["1"]  # outputs 0 and 2 removed, no temp files
+    assert [p.name for p in out.rglob("*") if p.is_symlink() or p.is_file()] == ["1"]  # 0 and 2 removed, no temps
 
 
 def test_progress_is_plain_lines_when_stderr_is_not_a_terminal(parts_dir: Path, tmp_path: Path, capsys) -> None:
@@ -328,14 +328,14 @@ def test_torchrun_ranks_write_the_same_files_as_one_process(parts_dir: Path, tmp
 def test_torchrun_failure_on_one_rank_fails_every_rank_and_removes_outputs(parts_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()
-    (out / "1").write_text("blocks output 1, which rank 1 writes")
+    (out / "1").symlink_to("/proc")  # output 1, which rank 1 writes, cannot be made there
     proc = _torchrun(["--input", _pattern(parts_dir), "--output", str(out / "{i}" / "shard.pt"),
                       "--num-output-shards", "2"])
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if line.startswith("ERROR: ")]
     # Both ranks report it, unless torchrun stops one (SIGTERM) as soon as the other has exited.
     assert any(f"rank 1 of 2: {out / '1' / 'shard.pt'}: cannot write" in e for e in errors), proc.stderr
-    assert [p.name for p in out.rglob("*") if p.is_file()] == ["1"]  # rank 0's output removed
+    assert [p.name for p in out.rglob("*") if p.is_symlink() or p.is_file()] == ["1"]  # rank 0's output removed
 
 
 def test_a_rank_whose_peers_never_start_fails_after_the_join_timeout(parts_dir, tmp_path, monkeypatch, capsys) -> None:

@@ -228,3 +228,30 @@ def test_upstream_restored_file_is_the_same_model_as_its_shards(real, capsys):
     out = capsys.readouterr().out
     assert "note: decoder.version only in B; not compared\nnote: extra_state.ema only in B; not compared\n" in out
     assert out.strip().endswith("SAME: the checkpoints hold the same model"), out
+
+
+def test_a_cfg_carried_unread_is_read_for_the_checks_and_gets_each_outputs_rank(real, tmp_path, capsys):
+    """A whole cfg as an omegaconf DictConfig (as upstream's restored.pt has it), carried unread: its seed still tells
+    two runs apart, and each of 3 outputs says its own rank and world size, as a dict cfg would."""
+    from omegaconf import DictConfig, OmegaConf
+
+    for rank, path in enumerate(sorted(real["plain"].glob(SHARDS))):
+        ckpt = load_real(path)
+        ckpt["cfg"] = OmegaConf.create(ckpt["cfg"], flags={"allow_objects": True})  # Namespace values, as upstream
+        OmegaConf.set_struct(ckpt["cfg"], True)
+        with upstream_classes():
+            torch.save(ckpt, tmp_path / path.name)
+    _reshard(str(tmp_path / SHARDS), tmp_path / "out" / "s{i}.pt", "--num-output-shards", "3")
+    for rank in range(3):
+        cfg = load_real(tmp_path / "out" / f"s{rank}.pt")["cfg"]
+        assert isinstance(cfg, DictConfig) and OmegaConf.is_struct(cfg)
+        assert (cfg.distributed_training.distributed_rank, cfg.distributed_training.distributed_world_size) == (rank, 3)
+        assert cfg.common.seed == load_real(tmp_path / SHARDS.replace("*", "0"))["cfg"].common.seed
+    assert compare([str(real["plain"] / SHARDS), str(tmp_path / "out" / "s*.pt")]) == 0, capsys.readouterr().out
+    other = load_real(tmp_path / SHARDS.replace("*", "1"))
+    other["cfg"].common.seed += 1  # shard 1 of another run
+    with upstream_classes():
+        torch.save(other, tmp_path / SHARDS.replace("*", "1"))
+    capsys.readouterr()
+    assert reshard(["--input", str(tmp_path / SHARDS), "--output", str(tmp_path / "mixed" / "s{i}.pt")]) == 2
+    assert "the files mix two training runs" in capsys.readouterr().err

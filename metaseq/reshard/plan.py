@@ -14,6 +14,7 @@ parameter's elements into runs; every other top-level key is carried from input 
 from __future__ import annotations
 
 import collections
+import copy
 import fnmatch
 import glob
 import logging
@@ -31,7 +32,7 @@ from metaseq.reshard.optim import (OptimLayout, analyze_optimizer, assemble_cons
 from metaseq.reshard.model_parallel import check_parts_fit, cut_model_parts, global_shapes
 from metaseq.reshard.options import ReshardOptions
 from metaseq.reshard.ranges import OutTensor, Run, plan_range
-from metaseq.reshard.schema import OPTIM, cfg_value, is_tensor, resolve
+from metaseq.reshard.schema import OPTIM, cfg_fields, cfg_value, is_tensor, resolve
 from metaseq.torchzip import Copy, DType, NeedsTorch, Opaque, Size, TensorRef, from_torch, read_checkpoint
 
 __all__ = ["InputFile", "OutFile", "Plan", "Source", "analyze_inputs", "assemble_output", "check_output_name",
@@ -437,7 +438,7 @@ def assemble_output(plan: Plan, out: OutFile) -> dict[str, Any]:
             result[key] = _assemble_extra_state(source.model, options, value, tensors)
             if out.rank or out.part:
                 result[key] = _only_on_rank_zero(result[key], plan.inputs)
-        elif key == "cfg" and isinstance(value, Mapping):
+        elif key == "cfg" and cfg_fields(value) is not None:
             result[key] = _cfg_for_output(value, options, out, plan.inputs[source.model.first].path)
         else:
             result[key] = value
@@ -487,7 +488,7 @@ def _only_on_rank_zero(extra: dict[str, Any], inputs: Sequence[InputFile]) -> di
     return {**extra, "train_iterator": {**iterator, **dict.fromkeys(alone)}} if alone else extra
 
 
-def _cfg_for_output(cfg: Mapping[str, Any], options: ReshardOptions, out: OutFile, path0: str) -> dict[str, Any]:
+def _cfg_for_output(cfg: Any, options: ReshardOptions, out: OutFile, path0: str) -> Any:
     """Input 0's cfg (`path0` its file) with this output's place, in the fields it has: the world size, the rank
     (shard i of part j is rank i * parts + j, fairscale's layout) and, with new parts, their number and suffix."""
     parts, part = options.num_output_parts, out.part
@@ -499,12 +500,23 @@ def _cfg_for_output(cfg: Mapping[str, Any], options: ReshardOptions, out: OutFil
     if part < parts:
         updates["distributed_training", "distributed_rank"] = out.rank * parts + part
     if options.num_output_parts is not None:
-        updates["common", "model_parallel_size"] = parts
+        updates["common", "model_parallel_size"] = parts  # added where absent, to dict sections
+        updates["model", "model_parallel_size"] = parts  # upstream's model args have it too
         updates["checkpoint", "checkpoint_suffix"] = f"-model_part-{part}"
-    result = dict(cfg)
+    result = copy.deepcopy(cfg) if isinstance(cfg, Opaque) else dict(cfg)  # what was read stays as it is
+    top = cfg_fields(result)
     for (section, field), value in updates.items():
-        if isinstance(result.get(section), Mapping) and (field in result[section] or field == "model_parallel_size"):
-            result[section] = {**result[section], field: value}
+        if top is None or cfg_fields(top.get(section)) is None:
+            continue
+        if not isinstance(cfg, Opaque):
+            top[section] = copy.deepcopy(top[section])
+        fields = cfg_fields(top[section])
+        node = fields.get(field)
+        if isinstance(node, Opaque) and isinstance(node.state, dict) and "_val" in node.state:  # omegaconf's
+            node.state["_val"] = value
+        elif field in fields or (section, field) == ("common", "model_parallel_size") and not isinstance(
+                top[section], Opaque):
+            fields[field] = value
     return result
 
 

@@ -10,8 +10,8 @@ from typing import Any, Mapping, Sequence, TypedDict
 
 from metaseq.torchzip import Opaque, Size, TensorRef
 
-__all__ = ["Checkpoint", "FlatOptimizerState", "InstanceMetadata", "ParamMetadata", "ShardMetadata", "cfg_value",
-           "clean_key", "is_tensor", "join_key", "resolve"]
+__all__ = ["Checkpoint", "FlatOptimizerState", "InstanceMetadata", "ParamMetadata", "ShardMetadata", "cfg_fields",
+           "cfg_value", "clean_key", "is_tensor", "join_key", "resolve"]
 
 WRAPPER_SEGMENTS = frozenset({"_fsdp_wrapped_module", "_fpw_module"})
 OPTIM = "last_optimizer_state"
@@ -83,9 +83,23 @@ def resolve(obj: Any, path: Sequence[Any]) -> Any:
 
 
 def cfg_value(cfg: Any, section: str, key: str) -> Any:
-    """cfg[section][key] of a checkpoint's cfg, its sections dicts or argparse.Namespaces (loaded, or carried
-    unread as `Opaque`); None where absent."""
-    fields = cfg.get(section) if isinstance(cfg, Mapping) else getattr(cfg, section, None)
-    fields = fields.state if isinstance(fields, Opaque) else fields
-    fields = vars(fields) if isinstance(fields, argparse.Namespace) else fields
-    return fields.get(key) if isinstance(fields, Mapping) else None
+    """cfg[section][key] of a checkpoint's cfg: dicts, argparse.Namespaces or omegaconf containers, loaded or
+    carried unread as `Opaque` (see `cfg_fields`); None where absent."""
+    fields = cfg_fields((cfg_fields(cfg) or {}).get(section))
+    value = fields.get(key) if fields is not None else None
+    return value.state["_val"] if _is_omegaconf(value) and "_val" in value.state else value  # a value node's
+
+
+def cfg_fields(obj: Any) -> dict | Mapping | None:
+    """The fields of a cfg or of one of its sections, as a mapping that changes them (Opaque's state): a dict, an
+    argparse.Namespace, or a carried omegaconf container's content (its values in value nodes); None for others."""
+    if _is_omegaconf(obj):
+        obj = obj.state.get("_content")
+    elif isinstance(obj, Opaque):
+        obj = obj.state
+    obj = vars(obj) if isinstance(obj, argparse.Namespace) else obj
+    return obj if isinstance(obj, Mapping) else None
+
+
+def _is_omegaconf(obj: Any) -> bool:
+    return isinstance(obj, Opaque) and obj.module.startswith("omegaconf") and isinstance(obj.state, dict)
