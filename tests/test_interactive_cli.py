@@ -63,6 +63,15 @@ def test_each_nonempty_line_is_answered_until_eof(memorized, monkeypatch, capsys
     assert capsys.readouterr().out.splitlines() == [ANSWER, "Mice."]
 
 
+def test_sampling_flags_without_sampling_are_named_as_ignored(memorized, monkeypatch, capsys):
+    _, served = memorized
+    monkeypatch.setattr(sys, "stdin", io.StringIO(f"{QUESTION}\n"))
+    assert interactive_cli.main(["--path", str(served), "--temperature", "0.5", "--seed", "7"]) == 0
+    out, err = capsys.readouterr()
+    assert out == ANSWER + "\n"  # the argmax
+    assert "--temperature, --seed: ignored without --sampling (the argmax is taken); add --sampling" in err
+
+
 def test_raw_shards_answer_like_the_consolidated_file(memorized, trained, monkeypatch, capsys):
     save_dir, _ = memorized
     monkeypatch.setattr(sys, "stdin", io.StringIO(QUESTION + "\n"))

@@ -141,6 +141,11 @@ def run(args: argparse.Namespace) -> int:
     cfg = generation_config_from_args(args)
     try:
         cfg.validate()
+        default = GenerationConfig()
+        if not cfg.sampling and (ignored := [f"--{name.replace('_', '-')}" for name in ("temperature", "top_p", "seed")
+                                             if getattr(cfg, name) != getattr(default, name)]):
+            logger.warning("%s: ignored without --sampling (the argmax is taken); add --sampling to sample",
+                           ", ".join(ignored))
         tokenizer = build_tokenizer(args)
         gen = GeneratorInterface.from_checkpoint(args.path, trust=args.trust_checkpoint, tokenizer=tokenizer)
     except (ValueError, UserError, InferenceLoadError) as e:
