@@ -125,28 +125,28 @@ def add_bool_flag(parser: argparse.ArgumentParser, name: str, help_text: str) ->
 
 
 def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+    return _number(text, int, lambda v: v >= 1, "at least 1")
 
 
 def non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
-    return value
+    return _number(text, int, lambda v: v >= 0, "at least 0")
 
 
 def positive_float(text: str) -> float:
-    value = float(text)
-    if not 0 < value < math.inf:  # also refuses nan
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return value
+    return _number(text, float, lambda v: 0 < v < math.inf, "a finite number > 0")  # nan too is refused
 
 
 def non_negative_float(text: str) -> float:
-    value = float(text)
-    if not 0 <= value < math.inf:  # also refuses nan
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return _number(text, float, lambda v: 0 <= v < math.inf, "a finite number >= 0")
+
+
+def _number(text: str, kind: type, ok: Callable[[Any], bool], wanted: str) -> Any:
+    """`text` as `kind`, `ok`; else argparse reports 'argument --flag: must be <wanted>, got <text>'."""
+    try:
+        value = kind(text)
+    except ValueError:
+        wanted = f"an integer {wanted.replace('at least', 'of at least')}" if kind is int else wanted
+        raise argparse.ArgumentTypeError(f"must be {wanted}, got {text!r}") from None
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"must be {wanted}, got {text}")
     return value

@@ -146,6 +146,7 @@ def test_memory_bound_counts_output_shard_largest_flat_and_slack():
 @pytest.mark.parametrize("argv, words", [
     (["--size-gb", "nan"], "argument --size-gb: must be a finite number > 0, got nan"),
     (["--size-gb", "0"], "argument --size-gb: must be a finite number > 0, got 0"),
+    (["--size-gb", "2GB"], "argument --size-gb: must be a finite number > 0, got '2GB'"),  # no function name
     (["--timeout-s", "-3"], "argument --timeout-s: must be a finite number > 0"),
     (["--repeat", "0"], "argument --repeat: must be at least 1"),
     (["--plot-sizes", "1,0"], "--plot-sizes '1,0': expected positive GB sizes"),

@@ -296,6 +296,7 @@ def test_restore_files_that_cannot_go_on_are_refused_before_any_rank_starts(trai
     "flags, culprit",
     [
         (["--batch-size", "0"], "argument --batch-size: must be at least 1, got 0"),
+        (["--batch-size", "abc"], "argument --batch-size: must be an integer of at least 1, got 'abc'"),
         (["--lr", "nan"], "argument --lr: must be a finite number >= 0, got nan"),
         (["--decoder-layers", "0"], "argument --decoder-layers: must be at least 1, got 0"),
         (["--data", "{T}/empty.txt"], "--data {T}/empty.txt: the file has no non-empty lines"),
