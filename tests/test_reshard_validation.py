@@ -487,6 +487,8 @@ def test_existing_output_is_not_overwritten_without_flag(tmp_path: Path, capsys)
     "extra, words",
     [
         (["--num-output-shards", "2", "--output", "OUT/one.pt"], "--num-output-shards=2 but --output-shard-name"),
+        (["--num-output-shards", "2", "--output", "OUT/x{k}-{i}.pt"], "{k} is not a placeholder of the name; use "
+                                                                       "'{i}' (the shard index) and '{j}'"),
         (["--num-output-shards", "2", "--unflatten-weights"], "--unflatten-weights needs --num-output-shards=1"),
         (["--num-output-shards", "0"], "--num-output-shards=0: must be at least 1"),
         (["--num-output-shards", "-3"], "--num-output-shards=-3: must be at least 1"),

@@ -237,6 +237,9 @@ def check_output_name(name: str, num_output_shards: int) -> None:
     if os.path.basename(name) in ("", ".", ".."):  # 'out/' would write a file named 'out'
         raise ReshardError(f"--output-shard-name {name!r} names no file; give one, e.g. "
                            f"{os.path.join(name, 'reshard-model_part-0.pt')!r}")
+    if unknown := sorted(set(re.findall(r"\{[^{}]*\}", name)) - {"{i}", PART}):
+        raise ReshardError(f"--output-shard-name {name!r}: {unknown[0]} is not a placeholder of the name; use '{{i}}' "
+                           f"(the shard index) and '{PART}' (the model part), or leave it out")
     if num_output_shards > 1 and "{i}" not in name:
         example = re.sub(r"(\.pt)?$", r"-shard{i}\1", name, count=1)
         raise ReshardError(f"--num-output-shards={num_output_shards} but --output-shard-name {name!r} has no '{{i}}'; "
