@@ -111,13 +111,14 @@ def resolve_checkpoint_files(path: str) -> tuple[list[str], bool]:
     if hint := folder_hint(path):
         raise InferenceLoadError(f"--path {path}{hint}")
     pattern = path if is_glob(path) else shard_glob(path)
+    fix = ("pass a consolidated file (reshard-model_part-0.pt), all shards of one checkpoint as a glob, or a stem "
+           "such as DIR/checkpoint_last.pt")
+    if not is_glob(path) and not glob_files(pattern):
+        raise InferenceLoadError(f"--path {path}: no such file, nor shards of a save by that name ({pattern}); {fix}")
     try:
         files = find_shards(pattern, flag="--path")
     except UserError as e:
-        raise InferenceLoadError(
-            f"--path {path}: {e}; pass a consolidated file (reshard-model_part-0.pt), all shards of one "
-            "checkpoint as a glob, or a stem such as DIR/checkpoint_last.pt"
-        ) from None
+        raise InferenceLoadError(f"{e}; {fix}" if is_glob(path) else f"--path {path}: {e}; {fix}") from None
     return files, True
 
 

@@ -105,7 +105,8 @@ def test_flat_checkpoint_gives_one_line_error_not_traceback(memorized, tmp_path)
     "args, culprit",
     [
         (["--path", "nowhere/checkpoint_last.pt"],
-         "--path nowhere/checkpoint_last.pt: --path 'nowhere/checkpoint_last-model_part-0-shard*.pt' matches no files"),
+         "--path nowhere/checkpoint_last.pt: no such file, nor shards of a save by that name "
+         "(nowhere/checkpoint_last-model_part-0-shard*.pt); pass a consolidated file"),
         (["--top-p", "1.5"], "--top-p=1.5 must be in (0, 1]"),
         (["--max-new-tokens", "abc"], "ERROR: argument --max-new-tokens: invalid int value: 'abc' (see --help)"),
         (["--sampling", "--temperature", "nan"], "--temperature=nan must be a finite number > 0"),
