@@ -161,7 +161,7 @@ def test_mismatched_keys_are_listed(resharded, change):
 
 
 def test_missing_path_names_what_to_pass(tmp_path):
-    words = "checkpoint_last.pt: no such file, nor shards of a save by that name \\(.*checkpoint_last-model_part-0-shard"
+    words = r"checkpoint_last.pt: no such file, nor shards of a save by that name \(.*checkpoint_last-model_part-0-"
     with pytest.raises(InferenceLoadError, match=words):
         GeneratorInterface.from_checkpoint(str(tmp_path / "checkpoint_last.pt"))
     folder = tmp_path / "run"
