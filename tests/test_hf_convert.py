@@ -559,6 +559,14 @@ def test_inputs_of_several_model_parts_or_a_folder_are_refused_naming_the_fix(tm
     assert not (tmp_path / "hf").exists()
 
 
+def test_a_file_given_for_the_hf_folder_is_named_as_a_file(tmp_path, capsys):
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    code, err = _run_cli(convert_from_hf, ["--input", str(tmp_path / "model.safetensors"), "--output-shard-name",
+                                           str(tmp_path / "out.pt")], capsys)
+    assert (code, err) == (2, f"ERROR: --input {tmp_path}/model.safetensors is a file; pass a Hugging Face model "
+                              "folder (config.json and its weights)")
+
+
 def test_a_file_that_is_no_checkpoint_or_an_output_under_a_file_is_one_plain_line(tmp_path, capsys):
     atomic_torch_save([1, 2], tmp_path / "list.pt")
     code, err = _run_cli(convert_to_hf, ["--input", str(tmp_path / "list.pt"), "--output", str(tmp_path / "hf")],

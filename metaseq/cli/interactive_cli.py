@@ -41,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--vocab-filename gpt2-vocab.json --merges-filename gpt2-merges.txt",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--path", required=True, help="consolidated file, shard glob, or stem such as DIR/checkpoint_last.pt")
+    p.add_argument("--path", required=True, default=argparse.SUPPRESS,  # no "(default: None)" in --help
+                   help="consolidated file, shard glob, or stem such as DIR/checkpoint_last.pt")
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="at most this many tokens per answer")
     p.add_argument("--sampling", action="store_true", help="sample instead of greedy decoding")
     p.add_argument("--temperature", type=float, default=d.temperature, help="with --sampling")

@@ -85,6 +85,9 @@ def read_hf_folder(folder: str | os.PathLike) -> tuple[dict[str, Any], dict[str,
     """(config.json as a dict, every weight by its HF name) from `model.safetensors` or `pytorch_model.bin`, or the
     files a sharded checkpoint's index names (`model.safetensors.index.json`, `pytorch_model.bin.index.json`)."""
     folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise ConversionError(f"--input {folder} is a file; pass a Hugging Face model folder (config.json and its "
+                              "weights)")
     if not folder.is_dir():
         raise ConversionError(f"--input {folder}: no such folder")
     config_path = folder / "config.json"

@@ -44,7 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--size-gb", type=positive_float, default=2.0,
                         help="total size of all input shard files, model + optimizer state (default 2)")
     parser.add_argument("--scenarios", default=DEFAULT_SCENARIOS,
-                        help=f"comma list of N-M (flat) and N-1u (unflattened) runs (default {DEFAULT_SCENARIOS})")
+                        help="comma list of N-M (flat) and N-1u (unflattened) reshards, PxN-QxM model-parallel ones "
+                             "(P parts of N shards into Q parts of M); a +fp16, +bf16 or +verify suffix adds "
+                             f"--output-dtype or --verify (default {DEFAULT_SCENARIOS})")
     parser.add_argument("--out", help="write the results as JSON to this file")
     parser.add_argument("--workdir", help="folder for the synthetic checkpoints (default: a temp dir)")
     parser.add_argument("--keep", action="store_true",
