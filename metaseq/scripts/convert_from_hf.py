@@ -46,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input", required=True, metavar="DIR", help="a Hugging Face OPT model folder")
     p.add_argument("--output-shard-name", required=True, metavar="NAME",
                    help="output file name; with more than one shard it must contain {i}, the shard index")
-    p.add_argument("--num-output-shards", type=int, default=1, metavar="M", help="FSDP world size to write for (default: 1)")
+    p.add_argument("--num-output-shards", type=int, default=1, metavar="M",
+                   help="FSDP world size to write for (default: 1)")
     add_bool_flag(p, "unflatten-weights", "write one consolidated file with parameter names (needs --num-output-shards 1)")
     p.add_argument("--overwrite", action="store_true", help="replace existing output files")
     p.add_argument("-q", "--quiet", action="store_true", help="log warnings and errors only")
