@@ -380,6 +380,28 @@ def test_replicated_state_that_differs_between_parts_warns_uses_part_0_and_compa
     assert capsys.readouterr().out.strip().endswith("SAME: the checkpoints hold the same model and optimizer state")
 
 
+def test_each_part_kept_as_it_is_keeps_its_own_buffers(tmp_path, capsys):
+    """Resharded to as many parts, part 1 is input part 1: its own buffer copy, not part 0's; compared, a part whose
+    buffer differs from part 0's is named."""
+    _write_parts(tmp_path, 2, 1)
+    path = tmp_path / OUT.format(j=1, i=0)
+    ckpt = torch.load(path, weights_only=True)
+    ckpt["model"]["decoder.version"] += 3
+    torch.save(ckpt, path)
+    assert main(["--input", str(tmp_path / "*.pt"), "--output", str(tmp_path / "out" / OUT), "--num-output-parts", "2",
+                 "--num-output-shards", "2", "--quiet"]) == 0
+    for j in range(2):
+        got = load_checkpoint(tmp_path / "out" / OUT.format(j=j, i=1))["model"]["decoder.version"]
+        assert torch.equal(got, load_checkpoint(tmp_path / OUT.format(j=j, i=0))["model"]["decoder.version"]), j
+    assert compare([str(tmp_path / "*.pt"), str(tmp_path / "out" / "*.pt")]) == 0
+    capsys.readouterr()
+    merged = tmp_path / "merged" / "p0.pt"
+    assert main(["--input", str(tmp_path / "*.pt"), "--output", str(merged), "--num-output-parts", "1",
+                 "--unflatten-weights", "--quiet"]) == 0
+    assert compare([str(tmp_path / "*.pt"), str(merged)]) == 1
+    assert "differs: decoder.version (model part 1's copy, unlike part 0's): only in A" in capsys.readouterr().out
+
+
 def test_inference_merges_consolidated_parts(mp_runs, tmp_path):
     """interactive_cli's loader takes the P consolidated parts (a glob or '{j}') and merges them."""
     save_dir, _ = mp_runs["p2_fused"]

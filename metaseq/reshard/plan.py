@@ -393,15 +393,16 @@ def output_tensors(source: Source, options: ReshardOptions, rank: int) -> list[O
         cast = options.dtype if held.root == ("model",) else None
         targets += [OutTensor((*held.root, key), shape, _cast(held.dtypes[k], cast), plan_range(held.sources[k], a, b))
                     for _, k, key, a, b, shape in cuts]
-        targets += [whole_tensor((*held.root, e.key), (*held.root, e.actual_key), e.shape, e.dtype, cast)
-                    for e in held.extras if e.shape is not None]  # buffers: copied (compact) from input 0
+        targets += [whole_tensor((*held.root, e.key), (*held.root, e.actual_key), e.shape, e.dtype, cast, model.first)
+                    for e in held.extras if e.shape is not None]  # buffers: copied (compact) from input 0 (its part's)
     return targets + (optimizer_targets(source.optim, cuts) if source.optim is not None else [])
 
 
-def whole_tensor(path: tuple, source: tuple, shape: Size, dtype: DType, cast: DType | None = None) -> OutTensor:
-    """Output tensor `path`: all of input 0's tensor at `source` (of `shape`), cast to `cast` if floating."""
+def whole_tensor(path: tuple, source: tuple, shape: Size, dtype: DType, cast: DType | None = None,
+                 input: int = 0) -> OutTensor:
+    """Output tensor `path`: all of input `input`'s tensor at `source` (of `shape`), cast to `cast` if floating."""
     n = shape.numel()
-    return OutTensor(path, shape, _cast(dtype, cast), (Run(0, source, 0, 0, n),) if n else ())
+    return OutTensor(path, shape, _cast(dtype, cast), (Run(input, source, 0, 0, n),) if n else ())
 
 
 def _cast(dtype: DType, output_dtype: DType | None) -> DType:
