@@ -75,7 +75,7 @@ def test_optimizer_difference_and_skip_optimizer_state(ckpts: Path, tmp_path: Pa
     rc, out = _compare(capsys, _glob(ckpts), _glob(tmp_path / "changed"))
     assert rc == 1
     assert "differs: optimizer exp_avg_sq of decoder.layers.0.fc2.weight: max abs diff 1" in out
-    assert "differs: optimizer param_groups: [{'lr': 0.001" in out
+    assert "differs: optimizer param_groups[0]['lr']: 0.001 vs 0.0005" in out  # the setting, not the whole list
     rc, out = _compare(capsys, _glob(ckpts), _glob(tmp_path / "changed"), "--skip-optimizer-state")
     assert rc == 0 and "compared 12 model tensors\n" in out
 
@@ -125,6 +125,7 @@ def test_plain_state_dicts_from_other_tools(ckpts: Path, tmp_path: Path, capsys)
         (["CKPTS", "GARBAGE"], "garbage.pt: cannot read checkpoint"),
         (["NOMETA", "CKPTS"], "nometa.pt: no 'shard_metadata'; it has flat_param_* keys"),
         (["CKPTS", "NOTENSORS"], "notensors.pt: neither FSDP shards nor a state dict (no 'model' dict of tensors)"),
+        (["NOTENSORS2", "NOTENSORS2"], "nothing.pt: neither FSDP shards nor a state dict (no 'model' dict of tensors)"),
         (["VIEW", "CKPTS"], "view.pt: model['w'] is a non-contiguous view; cannot compare it"),
         (["CKPTS", "FOLDER"], "B: pattern 'FOLDER' matches no files; it is a folder: name a checkpoint in it, e.g. "
                               "FOLDER/nometa.pt"),
@@ -134,10 +135,11 @@ def test_errors_are_one_line_with_exit_2(ckpts: Path, tmp_path: Path, capsys, ar
     (tmp_path / "garbage.pt").write_bytes(b"\x80\x02junk")
     torch.save({"model": make_shards(make_model(), 1)[0]["model"]}, tmp_path / "nometa.pt")
     torch.save({"step": 3}, tmp_path / "notensors.pt")
+    torch.save({"model": {"x": 1}}, tmp_path / "nothing.pt")  # compared with itself it was SAME, of 0 tensors
     torch.save({"model": {"w": torch.zeros(3, 4).t()}}, tmp_path / "view.pt")
     names = {"NONE": str(tmp_path / "none*.pt"), "CKPTS": _glob(ckpts), "GARBAGE": str(tmp_path / "garbage.pt"),
              "NOMETA": str(tmp_path / "nometa.pt"), "NOTENSORS": str(tmp_path / "notensors.pt"),
-             "VIEW": str(tmp_path / "view.pt")}
+             "VIEW": str(tmp_path / "view.pt"), "NOTENSORS2": str(tmp_path / "nothing.pt")}
     (tmp_path / "folder").mkdir()
     torch.save({"model": {}}, tmp_path / "folder" / "nometa.pt")
     names["FOLDER"] = str(tmp_path / "folder")
@@ -228,6 +230,7 @@ def test_a_checkpoint_is_the_same_as_itself_whatever_its_optimizer_settings_hold
     ckpt = torch.load(tmp_path / "u.pt", weights_only=False)
     for group in ckpt["last_optimizer_state"]["param_groups"]:
         group.update(nan=float("nan"), kind=int, schedule=Schedule(10), by_set={frozenset({1}): 2})
+    ckpt["last_optimizer_state"]["loss_scale"] = torch.tensor([float("nan"), 2.0])
     torch.save(ckpt, tmp_path / "odd.pt")
     rc, out = _compare(capsys, str(tmp_path / "odd.pt"), str(tmp_path / "odd.pt"))
     assert rc == 0 and out.strip().endswith("SAME: the checkpoints hold the same model and optimizer state"), out

@@ -161,9 +161,10 @@ def _plain_tensor_set(item: InputFile, skip_optimizer_state: bool) -> TensorSet:
     structure, path = item.structure, item.path
     state_dict, prefix = structure.get("model"), ("model",)
     if not isinstance(state_dict, Mapping):
-        if not structure or not all(is_tensor(v) for v in structure.values()):
-            raise ReshardError(f"{path}: neither FSDP shards nor a state dict (no 'model' dict of tensors)")
         state_dict, prefix = structure, ()
+    tensors = [is_tensor(v) for v in state_dict.values()]
+    if not any(tensors) or not prefix and not all(tensors):  # a whole dict of tensors, or `model` with some
+        raise ReshardError(f"{path}: neither FSDP shards nor a state dict (no 'model' dict of tensors)")
     model = {}
     for key, value in ((k, v) for k, v in state_dict.items() if is_tensor(v)):
         if not value.is_contiguous():
@@ -256,8 +257,15 @@ def _compare_tensors(a: TensorSet, b: TensorSet, which: str, result: Comparison,
 def _compare_optim_values(va: Mapping[str, Any], vb: Mapping[str, Any], result: Comparison) -> int:
     common = _common(va, vb, "optimizer ", result)
     for key in (k for k in common if not _same_value(va[k], vb[k])):
-        shown = " vs ".join(short_repr(value, 60) for value in (va[key], vb[key]))
-        result.differences.append(Difference(f"optimizer {key}", shown))
+        name, x, y = f"optimizer {key}", va[key], vb[key]
+        if key == "param_groups" and len(x) == len(y) and all(isinstance(g, Mapping) for g in (*x, *y)):
+            # each differing setting by group, not the whole list
+            for i, (gx, gy) in enumerate(zip(x, y)):
+                for k in (k for k in {**gx, **gy} if not _same_value(gx.get(k, "(none)"), gy.get(k, "(none)"))):
+                    shown = " vs ".join(short_repr(g.get(k, "(none)"), 60) for g in (gx, gy))
+                    result.differences.append(Difference(f"{name}[{i}]['{k}']", shown))
+            continue
+        result.differences.append(Difference(name, " vs ".join(short_repr(value, 60) for value in (x, y))))
     return len(common)
 
 
@@ -267,7 +275,9 @@ def _same_value(x: Any, y: Any) -> bool:
     if any(isinstance(v, Opaque) or isinstance(v, type) and issubclass(v, Opaque) for v in (x, y)):
         return pickle_bytes(x) == pickle_bytes(y)  # carried objects and globals: by what unpickling them would do
     if torch.is_tensor(x) or torch.is_tensor(y):
-        return torch.is_tensor(x) and torch.is_tensor(y) and x.shape == y.shape and bool(torch.equal(x, y))
+        return torch.is_tensor(x) and torch.is_tensor(y) and x.shape == y.shape and bool(torch.equal(x, y) or (
+            x.dtype.is_floating_point and y.dtype.is_floating_point and torch.equal(x.isnan(), y.isnan())
+            and torch.equal(x.nan_to_num(0.0), y.nan_to_num(0.0))))  # NaN where the other has NaN
     if isinstance(x, Mapping) and isinstance(y, Mapping):
         if x.keys() == y.keys():
             return all(_same_value(x[k], y[k]) for k in x)
