@@ -30,7 +30,9 @@ import math
 import mmap
 import os
 import pickle
+import signal
 import struct
+import sys
 import threading
 import zipfile
 import zlib
@@ -40,7 +42,7 @@ from typing import Any, Callable, ClassVar, Iterator, NamedTuple, Sequence
 from metaseq.errors import CheckpointLoadError
 
 __all__ = ["ALIGNMENT", "Copy", "DType", "NeedsTorch", "Opaque", "Size", "Storage", "TensorRef", "check_record",
-           "copy_file_range_all", "dtype_by_name", "from_torch", "pwrite_all", "pickle_bytes", "read_at",
+           "copy_file_range_all", "dtype_by_name", "from_torch", "import_torch", "pwrite_all", "pickle_bytes", "read_at",
            "read_checkpoint", "to_torch", "write_checkpoint", "zip_records"]
 
 ALIGNMENT = 64  # torch aligns every record's data; mmap-loaded tensors need it
@@ -462,6 +464,20 @@ def read_checkpoint(source: str | bytes) -> tuple[Any, list[str]]:
             "the file is truncated, corrupt or not a torch checkpoint"
         ) from None
     return obj, sorted(f"{m}.{n}" for m, n in unpickler.opaque)
+
+
+def import_torch() -> Any:
+    """torch, imported with SIGINT and SIGTERM held until it is done (then delivered): torch's import swallows a
+    KeyboardInterrupt, or what a SIGTERM handler raises, that arrives during it, and the run would go on."""
+    if "torch" not in sys.modules and threading.current_thread() is threading.main_thread():
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        try:
+            import torch  # noqa: F401
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
+    import torch
+
+    return torch
 
 
 def from_torch(obj: Any) -> tuple[Any, list[str]]:

@@ -16,6 +16,7 @@ import torch
 from metaseq import torchzip
 from metaseq.errors import CheckpointLoadError
 from metaseq.torchzip import Copy, NeedsTorch, Opaque, Size, TensorRef, read_checkpoint, write_checkpoint
+from synthetic import make_model, make_shards, write_shards
 
 
 def read_structure(path: str):
@@ -380,6 +381,29 @@ def test_reshard_cli_runs_without_importing_torch(tmp_path: Path) -> None:
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert proc.stdout.strip() == "False"
+
+
+def test_a_sigterm_during_the_late_torch_import_stops_the_run(tmp_path: Path) -> None:
+    """torch's import swallows what a signal handler raises in it, and --output-dtype imports it mid-run: with a
+    stand-in that gets a SIGTERM and catches everything, as that import does, the run must still stop."""
+    (tmp_path / "fake" / "torch").mkdir(parents=True)
+    (tmp_path / "fake" / "torch" / "__init__.py").write_text(
+        "import importlib, os, signal, sys, time\n"
+        "try:\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    time.sleep(0.5)\n"
+        "except BaseException:\n"
+        "    print('swallowed', flush=True)\n"
+        "sys.path.remove(os.path.dirname(os.path.dirname(__file__)))\n"
+        "del sys.modules['torch']\n"
+        "sys.modules['torch'] = importlib.import_module('torch')  # the real one from here on\n")
+    write_shards(make_shards(make_model(), 2), tmp_path / "in")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "fake"), str(Path(__file__).parents[1])]))
+    proc = subprocess.run([sys.executable, "-m", "metaseq.scripts.reshard_fsdp", "--input", str(tmp_path / "in/*.pt"),
+                           "--output", str(tmp_path / "out" / "s.pt"), "--output-dtype", "fp16", "--quiet"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode != 0 and "swallowed" not in proc.stdout, (proc.returncode, proc.stdout, proc.stderr)
+    assert "terminated by SIGTERM" in proc.stderr and not (tmp_path / "out").exists()
 
 
 def test_tensors_saved_on_a_gpu_are_written_as_cpu_tensors(tmp_path: Path) -> None:

@@ -24,7 +24,7 @@ from metaseq.reshard.options import ReshardOptions
 from metaseq.reshard.plan import InputFile, Plan, assemble_output, plan_reshard, plan_structures, summarize_plan
 from metaseq.reshard.progress import make_progress
 from metaseq.reshard.write import available_cpus, list_jobs, missing_folders, remove_outputs, write_outputs
-from metaseq.torchzip import NeedsTorch, from_torch, to_torch, zip_records
+from metaseq.torchzip import NeedsTorch, from_torch, import_torch, to_torch, zip_records
 
 __all__ = ["reshard", "reshard_fsdp_checkpoints", "reshard_shards"]
 
@@ -49,6 +49,8 @@ def reshard(options: ReshardOptions, *, world: World | None = None) -> list[Plan
                             "with relative paths?); start every rank in one folder, or give absolute paths",
                             group=world.node_name if world else None)
         if not options.dry_run:
+            if options.verify or options.output_dtype:  # they need torch: imported now, where a signal is not lost
+                import_torch()
             _write_and_verify(world or World(0, 1), plans, options)
         return plans
     finally:
