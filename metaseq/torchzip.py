@@ -42,8 +42,8 @@ from typing import Any, Callable, ClassVar, Iterator, NamedTuple, Sequence
 from metaseq.errors import CheckpointLoadError
 
 __all__ = ["ALIGNMENT", "Copy", "DType", "NeedsTorch", "Opaque", "Size", "Storage", "TensorRef", "check_record",
-           "copy_file_range_all", "dtype_by_name", "from_torch", "import_torch", "pwrite_all", "pickle_bytes", "read_at",
-           "read_checkpoint", "to_torch", "write_checkpoint", "zip_records"]
+           "copy_file_range_all", "dtype_by_name", "from_torch", "import_torch", "pwrite_all", "pickle_bytes",
+           "read_at", "read_checkpoint", "to_torch", "write_checkpoint", "zip_records"]
 
 ALIGNMENT = 64  # torch aligns every record's data; mmap-loaded tensors need it
 CHUNK_BYTES = 64 << 20  # per copy call: progress and writeback granularity
