@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import glob
 import hashlib
 import logging
@@ -241,12 +242,13 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
 
 
 @contextlib.contextmanager
-def atomic_output(path: str | os.PathLike) -> Iterator[BinaryIO]:
+def atomic_output(path: str | os.PathLike, *, replace: bool = True) -> Iterator[BinaryIO]:
     """Write `path` through a temp file: yields the temp file, open for reading and writing.
 
     The temp file is `.NAME.<pid>.<random>.tmp` (never matched by a `*.pt` glob); ones left by killed writers are
-    removed first. On success it is fsync-ed and renamed over `path`, then the folder is fsync-ed; on any error it
-    is removed: `path` holds the whole file or is untouched.
+    removed first. On success it is fsync-ed and renamed over `path` (without `replace`, only where no file is:
+    FileExistsError if one appeared), then the folder is fsync-ed; on any error it is removed: `path` holds the
+    whole file or is untouched.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)  # Path("name.pt").parent is Path(".")
@@ -258,7 +260,7 @@ def atomic_output(path: str | os.PathLike) -> Iterator[BinaryIO]:
             yield f
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        _rename(tmp, path, replace)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
@@ -271,6 +273,22 @@ def atomic_output(path: str | os.PathLike) -> Iterator[BinaryIO]:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def _rename(tmp: str, path: Path, replace: bool) -> None:
+    """`tmp` renamed to `path`; without `replace` never over a file (a hard link, then the temp name removed; where
+    the file system has no hard links, a check just before the rename)."""
+    if replace:
+        return os.replace(tmp, path)
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        raise
+    except OSError:  # no hard links here
+        if os.path.lexists(path):
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(path)) from None
+        return os.replace(tmp, path)
+    os.unlink(tmp)
 
 
 class _WriteErrorRecorder:

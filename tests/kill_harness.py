@@ -26,20 +26,23 @@ def _install(point: str, k: int) -> None:
     counter = {"n": 0}
     if point == "bytes":
         _count_writes(k, counter)
-    elif point in ("replace", "renamed"):
-        replace = os.replace
-
-        def hooked_replace(src: str, dst: str) -> None:
-            counter["n"] += 1
-            if point == "replace" and counter["n"] == k:
-                _die()
-            replace(src, dst)
-            if point == "renamed" and counter["n"] == k:
-                _die()
-
-        os.replace = hooked_replace
+    elif point in ("replace", "renamed"):  # the rename into place: os.replace, or os.link where none may be replaced
+        for name in ("replace", "link"):
+            os.__dict__[name] = _hooked(getattr(os, name), point, k, counter)
     else:
         raise SystemExit(f"unknown kill point {point!r}")
+
+
+def _hooked(rename, point: str, k: int, counter: dict[str, int]):
+    def hooked(src: str, dst: str) -> None:
+        counter["n"] += 1
+        if point == "replace" and counter["n"] == k:
+            _die()
+        rename(src, dst)
+        if point == "renamed" and counter["n"] == k:
+            _die()
+
+    return hooked
 
 
 def _count_writes(k: int, counter: dict[str, int]) -> None:

@@ -325,15 +325,18 @@ def test_a_signal_mid_conversion_is_one_line_and_leaves_no_outputs_or_temp_files
                                  "--num-output-shards", "2", "-q"]) == 0
     (tmp_path / "tmp").mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
-    real_replace, renamed = os.replace, []
+    renamed = []
 
-    def replace_then_signal(src, dst):
-        real_replace(src, dst)
-        renamed.append(dst)
-        if len(renamed) == (2 if tool == "convert_from_hf" else 1):
-            os.kill(os.getpid(), signum)
+    def then_signal(rename):
+        def renamed_then_signal(src, dst):
+            rename(src, dst)
+            renamed.append(dst)
+            if len(renamed) == (2 if tool == "convert_from_hf" else 1):
+                os.kill(os.getpid(), signum)
+        return renamed_then_signal
 
-    monkeypatch.setattr(os, "replace", replace_then_signal)
+    for name in ("replace", "link"):  # renames into place: os.link where no file may be replaced
+        monkeypatch.setattr(os, name, then_signal(getattr(os, name)))
     if tool == "convert_from_hf":
         argv = ["--input", str(tmp_path / "hf"), "--output-shard-name", str(tmp_path / "out" / SHARDS),
                 "--num-output-shards", "2"]

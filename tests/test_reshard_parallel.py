@@ -406,16 +406,18 @@ def test_objects_in_the_optimizer_state_are_carried_unchanged(tmp_path: Path, fl
                                                  (signal.SIGINT, 130, "interrupted")], ids=["SIGTERM", "SIGINT"])
 def test_a_signal_while_writing_removes_outputs_and_reports_one_line(parts_dir, tmp_path, monkeypatch, capsys, tool,
                                                                      extra, signum, code, words) -> None:
-    real_replace = os.replace
     saved: list[str] = []
 
-    def replace_then_terminated(src: str, dst: str) -> None:
-        real_replace(src, dst)
-        saved.append(str(dst))
-        if len(saved) == 2:  # e.g. torchrun stopping this rank because another one failed
-            os.kill(os.getpid(), signum)
+    def then_terminated(rename):
+        def renamed_then_terminated(src: str, dst: str) -> None:
+            rename(src, dst)
+            saved.append(str(dst))
+            if len(saved) == 2:  # e.g. torchrun stopping this rank because another one failed
+                os.kill(os.getpid(), signum)
+        return renamed_then_terminated
 
-    monkeypatch.setattr(os, "replace", replace_then_terminated)
+    for name in ("replace", "link"):  # renames into place: os.link where no file may be replaced
+        monkeypatch.setattr(os, name, then_terminated(getattr(os, name)))
     handler_before = signal.getsignal(signal.SIGTERM)
     out = tmp_path / "out" / "s{i}.pt"
     assert tool(["--input", _pattern(parts_dir), "--output", str(out), "--num-output-shards", "4",

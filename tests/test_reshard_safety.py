@@ -15,6 +15,8 @@ import signal
 import struct
 import subprocess
 import sys
+import threading
+import time
 import zipfile
 from pathlib import Path
 from typing import Any, Iterator
@@ -377,3 +379,28 @@ def test_corrupt_input_through_python_m_is_one_line(fuzz, tmp_path: Path, damage
     line = _one_error_line(proc.stderr)
     assert line == proc.stderr.strip() and f"{path}: corrupt checkpoint" in line
     assert not (tmp_path / "out.pt").exists()
+
+
+def test_an_output_another_process_writes_meanwhile_is_left_as_it_is(tmp_path: Path, capsys) -> None:
+    """Without --overwrite no file is replaced, also one that appears after planning; and a failed run removes what
+    it wrote, not that file."""
+    model = make_model(instances=(("", (("decoder.w", (1024, 2048)),), ()),))  # outputs of about 12 MiB
+    write_shards(make_shards(model, 2), tmp_path / "in")
+    out = tmp_path / "out"
+    out.mkdir()
+
+    def intrude() -> None:  # once output 0 is being written, "another process" writes output 1's name
+        deadline = time.monotonic() + 60
+        while not list(out.glob(".s0.pt.*.tmp")) and time.monotonic() < deadline:
+            time.sleep(0.0005)
+        (out / "s1.pt").write_bytes(b"precious")
+
+    thread = threading.Thread(target=intrude, daemon=True)
+    thread.start()
+    argv = ["--input", str(tmp_path / "in" / "*.pt"), "--output", str(out / "s{i}.pt"), "--num-output-shards", "2",
+            "--num-workers", "1", "--quiet"]
+    assert main(argv) == 2
+    thread.join(60)
+    assert f"{out / 's1.pt'} appeared while resharding (another process wrote it?)" in _one_error_line(
+        capsys.readouterr().err)
+    assert sorted(p.name for p in out.iterdir()) == ["s1.pt"] and (out / "s1.pt").read_bytes() == b"precious"

@@ -226,7 +226,7 @@ def output_paths(output_shard_name: str, num_output_shards: int, inputs: Sequenc
         if blocker := file_in_the_way(path):
             raise ReshardError(f"--output-shard-name: {path} would be in {blocker}, which is a file, not a folder; "
                                "give a path in a folder")
-    existing = [p for p in outputs if os.path.exists(p)]
+    existing = [p for p in outputs if os.path.lexists(p)]  # a broken link too: no rename may replace it
     if existing and not overwrite:
         raise ReshardError(f"{summarize_paths(existing)} already exist(s); pass --overwrite to replace")
     return outputs

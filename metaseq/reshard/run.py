@@ -111,7 +111,8 @@ def _write_and_verify(world: World, plans: Sequence[Plan], options: ReshardOptio
                 logger.info("%s", report)
     except BaseException as e:  # also what a killed rank left: its temp files, and (none were there before) outputs
         planned = [j.out.path for j in jobs]
-        remove_outputs(written if options.overwrite else planned, planned=planned, folders=folders)
+        mine_only = options.overwrite or world.size == 1  # else also a dead rank's (none were there before)
+        remove_outputs(written if mine_only else planned, planned=planned, folders=folders)
         if world.size > 1 and isinstance(e, ReshardError):  # raised by `agree` on every rank alike
             dist_run.barrier()  # no rank exits (and gets the launcher to kill the rest) before all have cleaned up
         raise

@@ -57,7 +57,7 @@ def write_outputs(jobs: Sequence[Job], *, num_workers: int = 1, progress: Progre
     """
     progress = progress or Progress(sum(j.out.nbytes for j in jobs), len(jobs))
     paths = [j.out.path for j in jobs]
-    before = _file_ids(paths)
+    before, foreign = _file_ids(paths), set()  # foreign: outputs another process wrote meanwhile (left alone)
     lock = threading.Lock()
 
     def run(index: int, job: Job) -> None:  # `index`: the job's key in `progress`
@@ -65,7 +65,12 @@ def write_outputs(jobs: Sequence[Job], *, num_workers: int = 1, progress: Progre
             with lock:
                 progress.advance(index, nbytes)
 
-        size = _write_one(job, crc32, report)
+        try:
+            size = _write_one(job, crc32, report)
+        except FileExistsError as e:
+            foreign.add(job.out.path)
+            raise ReshardError(f"{job.out.path} appeared while resharding (another process wrote it?); it is left "
+                               "as it is: remove it and rerun, or pass --overwrite") from e
         with lock:
             progress.finish(index, job.out.nbytes, job.out.path, size)
 
@@ -86,7 +91,7 @@ def write_outputs(jobs: Sequence[Job], *, num_workers: int = 1, progress: Progre
         # Every output this call renamed into place (a file it did not find there), also one renamed just before
         # the error; a path left as it was keeps its old file.
         now = _file_ids(paths)
-        remove_outputs([p for p in paths if p in now and now[p] != before.get(p)], paths)
+        remove_outputs([p for p in paths if p in now and now[p] != before.get(p) and p not in foreign], paths)
         raise
     finally:
         progress.close()
@@ -99,13 +104,15 @@ def _write_one(job: Job, crc32: bool, report: object) -> int:
     _check_unchanged(job.plan)
     obj = assemble_output(job.plan, job.out)
     try:
-        with atomic_output(job.out.path) as f:
+        with atomic_output(job.out.path, replace=job.plan.options.overwrite) as f:
             size = write_checkpoint(f.fileno(), obj, crc32=crc32, report=report)
             _check_unchanged(job.plan)
             return size
     except OverflowError as e:  # from a cast: torch would have written inf
         raise ReshardError(f"{job.out.path}: --output-dtype: {e}; use --output-dtype bf16 (float32's range) or keep "
                            "the dtype") from None
+    except FileExistsError:
+        raise
     except OSError as e:
         raise ReshardError(f"{job.out.path}: cannot write ({e.strerror or e})") from e
 
