@@ -366,12 +366,13 @@ def test_checkpoints_of_the_earlier_variant_are_refused_for_export(tmp_path, cap
 
 
 def test_sharded_safetensors_pytorch_bin_and_sharded_bin_without_prefix_convert_alike(tmp_path):
+    """Also a pytorch_model.bin in torch's legacy (non-zip) format, which transformers loads too."""
     make_hf_model(tmp_path / "hf")
     state = hf_tensors(tmp_path / "hf")
     names = sorted(state)
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     halves = {"model-00001-of-00002": names[::2], "model-00002-of-00002": names[1::2]}
-    folders = {kind: tmp_path / kind for kind in ("sharded", "bin", "sharded_bin")}
+    folders = {kind: tmp_path / kind for kind in ("sharded", "bin", "sharded_bin", "legacy_bin")}
     for kind, folder in folders.items():
         folder.mkdir()
         # null: transformers reads it as hidden_size (as some hub configs have it)
@@ -390,6 +391,7 @@ def test_sharded_safetensors_pytorch_bin_and_sharded_bin_without_prefix_convert_
     stored[fc1] = state[fc1].t().contiguous().t()  # column-major, as a transposed-and-saved weight is
     stored[q], stored[k] = torch.cat([state[q], state[k]]).split(len(state[q]))  # views of one fused storage
     torch.save(stored, folders["bin"] / "pytorch_model.bin")
+    torch.save(state, folders["legacy_bin"] / "pytorch_model.bin", _use_new_zipfile_serialization=False)
     for folder in folders.values():
         out = tmp_path / f"{folder.name}.pt"
         assert convert_from_hf.main(["--input", str(folder), "--output-shard-name", str(out), "--unflatten-weights",

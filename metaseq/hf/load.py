@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import tempfile
+import zipfile
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -143,10 +144,13 @@ def _read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
 
 
 def _read_pytorch_bin(path: Path) -> dict[str, torch.Tensor]:
-    try:
-        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    try:  # mapped; torch's legacy (non-zip) format cannot be, and is read into memory
+        legacy = not zipfile.is_zipfile(path)
+        state = torch.load(path, map_location="cpu", mmap=not legacy, weights_only=True)
     except Exception as e:
-        raise ConversionError(f"{path}: cannot read it ({type(e).__name__}: {str(e).splitlines()[0][:120]})") from None
+        text = " ".join(str(e).split())
+        text = text if len(text) <= 160 else text[:157] + "..."
+        raise ConversionError(f"{path}: cannot read it ({type(e).__name__}: {text})") from None
     if not isinstance(state, dict):
         raise ConversionError(f"{path}: holds a {type(state).__name__}, not a state dict")
     return {k: _own_storage(v) for k, v in state.items()}
