@@ -264,8 +264,15 @@ def _untie_head(folder):
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
+def _weight_twice(folder):  # under both names: loaders differ in which they take
+    state = hf_tensors(folder)
+    state["decoder.layers.0.fc1.weight"] = state["model.decoder.layers.0.fc1.weight"] + 1
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
 @pytest.mark.parametrize("change, message", [
     (lambda f: (f / "config.json").unlink(), "no config.json there"),
+    (_weight_twice, "'decoder.layers.0.fc1.weight' is there twice, with and without the 'model.' prefix"),
     (lambda f: (f / "config.json").write_text("[1, 2]"), "config.json: holds a JSON list, not an object"),
     (_mix_dtypes, "the weights mix dtypes: 26 float16 .*, 10 float32 .*layer_norm"),
     (lambda f: (f / "model.safetensors").unlink(), "no weights there"),

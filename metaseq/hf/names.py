@@ -76,9 +76,17 @@ def to_hf_state_dict(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     return out
 
 
-def strip_hf_prefix(state: Mapping[str, Any]) -> dict[str, Any]:
-    """HF checkpoints name weights `model.decoder...` (OPTForCausalLM) or `decoder...` (OPTModel)."""
-    return {key[len("model."):] if key.startswith("model.") else key: value for key, value in state.items()}
+def strip_hf_prefix(state: Mapping[str, Any], *, source: str = "the weights") -> dict[str, Any]:
+    """HF checkpoints name weights `model.decoder...` (OPTForCausalLM) or `decoder...` (OPTModel); a weight under
+    both names is refused (which one a loader takes differs)."""
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        name = key[len("model."):] if key.startswith("model.") else key
+        if name in out:
+            raise ConversionError(f"{source}: '{name}' is there twice, with and without the 'model.' prefix; keep "
+                                  "one of them")
+        out[name] = value
+    return out
 
 
 def from_hf_state_dict(state: Mapping[str, Any], *, source: str) -> dict[str, Any]:
@@ -86,7 +94,7 @@ def from_hf_state_dict(state: Mapping[str, Any], *, source: str) -> dict[str, An
 
     An `lm_head.weight` must equal the token embedding (the head is tied in our model).
     """
-    state = strip_hf_prefix(state)
+    state = strip_hf_prefix(state, source=source)
     head = state.pop(LM_HEAD, None)
     inverse = {v: k for k, v in _RENAMES.items()}
     out = {inverse.get(key, key): value for key, value in state.items()}
