@@ -284,6 +284,7 @@ def _weight_twice(folder):  # under both names: loaders differ in which they tak
     (_bad_config("do_layer_norm_before", False), "do_layer_norm_before=False .*post-LayerNorm"),
     (_bad_config("word_embed_proj_dim", 9), "word_embed_proj_dim=9 differs from hidden_size=18 .*project_in"),
     (_bad_config("enable_bias", False), "enable_bias=False"),
+    (_bad_config("num_attention_heads", 4), "config.json: hidden_size=18 is not divisible by num_attention_heads=4"),
 ])
 def test_unsupported_hf_folders_are_refused_in_one_line_and_nothing_is_written(tmp_path, capsys, change, message):
     make_hf_model(tmp_path / "hf")

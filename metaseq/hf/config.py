@@ -106,8 +106,10 @@ def model_config_from_hf(hf: Mapping[str, Any], *, source: str) -> ModelConfig:
     )
     try:
         config.validate()
-    except ValueError as e:
-        raise ConversionError(f"{source}: {e}") from None
+    except ValueError as e:  # named as config.json names them, not as training's flags
+        text = str(e).replace("--decoder-embed-dim", "hidden_size").replace("--decoder-attention-heads",
+                                                                            "num_attention_heads")
+        raise ConversionError(f"{source}: {text}") from None
     return config
 
 
