@@ -80,6 +80,22 @@ def test_optimizer_difference_and_skip_optimizer_state(ckpts: Path, tmp_path: Pa
     assert rc == 0 and "compared 12 model tensors\n" in out
 
 
+def test_an_optimizer_setting_of_one_rank_only_is_a_difference_and_a_reshard_warns(ckpts: Path, tmp_path: Path,
+                                                                                     capsys) -> None:
+    """Every rank resumes with its own settings: a file whose lr differs from shard 0's is not its reshard (which
+    gives every output shard 0's), and resharding it says so."""
+    shards = make_shards(make_model(), 4)
+    shards[2]["last_optimizer_state"]["param_groups"][0]["lr"] = 5e-4
+    write_shards(shards, tmp_path / "changed")
+    rc, out = _compare(capsys, _glob(ckpts), _glob(tmp_path / "changed"))
+    shard = lambda i: tmp_path / "changed" / SHARD.format(i)  # noqa: E731
+    assert rc == 1 and f"differs: optimizer param_groups[0]['lr'] ({shard(2)}'s, unlike {shard(0)}'s): only in B" in out
+    assert reshard_main(["--input", _glob(tmp_path / "changed"), "--output", str(tmp_path / "r.pt")]) == 0
+    assert (f"{shard(2)}: last_optimizer_state.param_groups[0]['lr'] differs from {shard(0)}'s (0.0005 vs 0.001)"
+            in capsys.readouterr().err)
+    assert _compare(capsys, _glob(tmp_path / "changed"), _glob(tmp_path / "changed"))[0] == 0
+
+
 def test_optimizer_state_on_one_side_only_is_a_note(ckpts: Path, tmp_path: Path, capsys) -> None:
     _reshard(ckpts, tmp_path / "weights.pt", "--unflatten-weights", "--skip-optimizer-state")
     rc, out = _compare(capsys, _glob(ckpts), str(tmp_path / "weights.pt"))

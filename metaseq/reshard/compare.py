@@ -18,7 +18,7 @@ from metaseq.errors import ReshardError, short_repr
 from metaseq.file_io import summarize_paths
 from metaseq.models.partition import rule_for
 from metaseq.reshard.layout import global_params
-from metaseq.reshard.optim import LAYOUT_KEYS
+from metaseq.reshard.optim import differing_settings, optimizer_settings
 from metaseq.reshard.options import ReshardOptions
 from metaseq.reshard.plan import (InputFile, Source, analyze_inputs, cut_model_parallel, output_tensors, read_inputs,
                                   tensor_ref, whole_tensor)
@@ -130,12 +130,13 @@ def tensor_set_from_source(source: Source, inputs: Sequence[InputFile], output_d
             model[dst] = model[src]._replace(path=("model", dst))
     buffers = frozenset(e.key for e in layout.dicts[0].extras if e.shape is not None)
     form = "1 unflattened file" if layout.unflattened else f"{len(inputs)} flat shard{'s' * (len(inputs) > 1)}"
-    extras = ({}, {}, {}) if source.optim is None else _optim_extras(source, names, shard0[OPTIM])
+    extras = ({}, {}, {}) if source.optim is None else _optim_extras(source, names, inputs)
     return TensorSet(tuple(inputs), form, model, buffers, None if source.optim is None else optim, *extras)
 
 
-def _optim_extras(source: Source, names: Mapping[int, str], osd0: Mapping[str, Any]) -> tuple[dict, dict, dict]:
-    """Optimizer scalars, settings, and per-input scales of states with a `NAME_scale` (--fp16-adam-stats)."""
+def _optim_extras(source: Source, names: Mapping[int, str], inputs: Sequence[InputFile]) -> tuple[dict, dict, dict]:
+    """Optimizer scalars, settings (input 0's, and each other input's that differ, which a reshard would drop, as
+    "SETTING (FILE's, unlike FILE0's)"), and per-input scales of states with a `NAME_scale` (--fp16-adam-stats)."""
     scalars, scales = {}, {}
     for g, k, _ in global_params(source.model):
         entries = {e.name: e for e in source.optim.entries.get(k, ())}
@@ -145,8 +146,11 @@ def _optim_extras(source: Source, names: Mapping[int, str], osd0: Mapping[str, A
                 scalars[f"{name} of {names[g]}"] = _plain_scalar(entry.values[0])
             elif scale is not None and len(scale.values) == len(source.model.labels):
                 scales[(OPTIM, "state", g, name)] = [v.value() if is_tensor(v) else float(v) for v in scale.values]
-    settings = {key: value for key, value in osd0.items() if key not in (*LAYOUT_KEYS, "param_groups")}
-    settings["param_groups"] = [{k: v for k, v in group.items() if k != "params"} for group in osd0["param_groups"]]
+    osd0, labels = inputs[0].structure[OPTIM], source.model.labels
+    settings = optimizer_settings(osd0)
+    for item, label in zip(inputs[1:], labels[1:]):
+        settings.update((f"{name} ({label}'s, unlike {labels[0]}'s)", value)
+                        for name, value, _ in differing_settings(osd0, item.structure[OPTIM]))
     return scalars, to_torch(settings), scales
 
 

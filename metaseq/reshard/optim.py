@@ -11,17 +11,21 @@ layout that `FSDP.get_shard_from_optim_state_dict` loads at any world size.
 from __future__ import annotations
 
 import copy
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
-from metaseq.errors import ReshardError
+from metaseq.errors import ReshardError, short_repr
 from metaseq.reshard.layout import ModelLayout, check_flat_dtype, global_params
 from metaseq.reshard.ranges import OutTensor, Span, plan_range
 from metaseq.reshard.schema import OPTIM, clean_key, is_tensor
-from metaseq.torchzip import DType, Size, TensorRef
+from metaseq.torchzip import DType, Size, TensorRef, pickle_bytes
 
 __all__ = ["OptimLayout", "StateEntry", "analyze_optimizer", "assemble_consolidated_optimizer",
-           "assemble_flat_optimizer", "check_per_rank_state", "optimizer_targets", "scalar_key"]
+           "assemble_flat_optimizer", "check_per_rank_state", "differing_settings", "optimizer_settings",
+           "optimizer_targets", "scalar_key"]
+
+logger = logging.getLogger(__name__)
 
 LAYOUT_KEYS = ("state", "param_id_map", "uncollected_local_ids")
 
@@ -118,7 +122,32 @@ def analyze_optimizer(shards: Sequence[Mapping[str, Any]], model: ModelLayout) -
                                f"lists {len(model.flat_params)} flat parameters: the optimizer was given some of them "
                                "(frozen ones left out?), and which is not saved; pass --skip-optimizer-state")
     entries = _consolidated_entries(osds, model) if consolidated else _flat_entries(osds, model)
+    for label, (name, value, first) in ((label, d) for osd, label in zip(osds[1:], model.labels[1:])
+                                        for d in differing_settings(osds[0], osd)[:1]):
+        logger.warning("%s: %s.%s differs from %s's (%s vs %s): the files are not of one save, or were edited; "
+                       "resharded, every output gets %s's", label, OPTIM, name, model.labels[0],
+                       short_repr(value, 40), short_repr(first, 40), model.labels[0])
     return OptimLayout(consolidated, entries, len(osds[0]["param_groups"]))
+
+
+def optimizer_settings(osd: Mapping[str, Any]) -> dict[str, Any]:
+    """What an optimizer state holds besides the per-parameter state (one value for every rank): each param group
+    without its parameter ids, loss_scale, ..."""
+    settings = {key: value for key, value in osd.items() if key not in (*LAYOUT_KEYS, "param_groups")}
+    settings["param_groups"] = [{k: v for k, v in group.items() if k != "params"} if isinstance(group, Mapping)
+                                else group for group in osd["param_groups"]]
+    return settings
+
+
+def differing_settings(first: Mapping[str, Any], other: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
+    """(name, other's value, first's) of each optimizer setting that differs between two ranks' states, by what they
+    pickle to (a tensor setting by its shape, not its values)."""
+    ours, theirs = optimizer_settings(first), optimizer_settings(other)
+    pairs = [(f"param_groups[{i}]['{k}']", g.get(k), h.get(k)) for i, (g, h) in enumerate(zip(
+        ours.pop("param_groups"), theirs.pop("param_groups"))) if isinstance(g, Mapping) and isinstance(h, Mapping)
+        for k in {**g, **h}]
+    pairs += [(key, ours.get(key), theirs.get(key)) for key in {**ours, **theirs}]
+    return [(name, b, a) for name, a, b in pairs if pickle_bytes(a) != pickle_bytes(b)]
 
 
 def _check_state_order(model_dict: Mapping[str, Any], model: ModelLayout) -> None:
