@@ -96,6 +96,16 @@ def test_an_optimizer_setting_of_one_rank_only_is_a_difference_and_a_reshard_war
     assert _compare(capsys, _glob(tmp_path / "changed"), _glob(tmp_path / "changed"))[0] == 0
 
 
+def test_a_buffer_copy_of_one_rank_only_is_a_difference(ckpts: Path, tmp_path: Path, capsys) -> None:
+    shards = make_shards(make_model(), 4)
+    shards[1]["model"]["decoder.version"] += 1  # every rank saves the buffer whole; a reshard keeps shard 0's
+    write_shards(shards, tmp_path / "changed")
+    rc, out = _compare(capsys, _glob(ckpts), _glob(tmp_path / "changed"))
+    shard = lambda i: tmp_path / "changed" / SHARD.format(i)  # noqa: E731
+    assert rc == 1 and f"differs: decoder.version ({shard(1)}'s copy, unlike {shard(0)}'s): only in B" in out, out
+    assert _compare(capsys, _glob(tmp_path / "changed"), _glob(tmp_path / "changed"))[0] == 0
+
+
 def test_optimizer_state_on_one_side_only_is_a_note(ckpts: Path, tmp_path: Path, capsys) -> None:
     _reshard(ckpts, tmp_path / "weights.pt", "--unflatten-weights", "--skip-optimizer-state")
     rc, out = _compare(capsys, _glob(ckpts), str(tmp_path / "weights.pt"))

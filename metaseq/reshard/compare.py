@@ -67,7 +67,30 @@ def open_tensor_set(paths: Sequence[str], *, trust: bool = False, skip_optimizer
     if len(paths) == 1 and "shard_metadata" not in first and not flat:  # flat: analyze_inputs says what is missing
         return _plain_tensor_set(inputs[0], skip_optimizer_state)
     options = ReshardOptions(skip_optimizer_state=skip_optimizer_state)
-    return tensor_set_from_source(analyze_inputs([i.structure for i in inputs], list(paths), options), inputs)
+    found = tensor_set_from_source(analyze_inputs([i.structure for i in inputs], list(paths), options), inputs)
+    return replace(found, model={**found.model, **_differing_buffers(found)})
+
+
+def _differing_buffers(found: TensorSet) -> dict[str, OutTensor]:
+    """Each other input's copy of a buffer (every FSDP rank saves it whole) that differs from input 0's, as
+    "NAME (FILE's copy, unlike FILE0's)": what a reshard, which keeps input 0's, drops."""
+    differing, inputs = {}, found.inputs
+    for name in sorted(found.buffers):
+        first = found.model[name]
+        for r, item in enumerate(inputs[1:], start=1):
+            theirs = first._replace(runs=tuple(run._replace(input=r) for run in first.runs))
+            value = _get(item.structure, first.runs[0].path) if first.runs else None
+            if value is None or not is_tensor(value) or value.shape != first.shape:
+                continue  # a copy that is not there, or not like input 0's, is not a copy
+            if tensor_difference(found.read(theirs), found.read(first)) is not None:
+                differing[f"{name} ({item.path}'s copy, unlike {inputs[0].path}'s)"] = theirs
+    return differing
+
+
+def _get(obj: Any, path: Sequence[Any]) -> Any:
+    for key in path:
+        obj = obj.get(key) if isinstance(obj, Mapping) else None
+    return obj
 
 
 def open_model_parts(groups: Sequence[Sequence[str]], *, trust: bool = False,
