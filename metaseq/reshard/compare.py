@@ -358,6 +358,8 @@ def describe_comparison(comparison: Comparison, a: TensorSet, b: TensorSet) -> l
     if comparison.optimizer_compared:
         lines[-1] += f", {comparison.optimizer_tensors} optimizer tensors"
         lines[-1] += f" and {comparison.optimizer_scalars} optimizer scalars"
+    lines.append("note: cfg, optimizer_history (update count, LR scheduler) and extra_state but EMA (data position, "
+                 "metrics, RNG states) are not compared")
     lines += [f"note: {note}" for note in comparison.notes]
     lines += [f"differs: {d.name}: {d.detail}" for d in comparison.differences]
     same = "SAME: the checkpoints hold the same model" + " and optimizer state" * comparison.optimizer_compared
