@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 
+from metaseq import torchzip
 from metaseq.errors import ReshardError
 from metaseq.file_io import load_checkpoint
 from metaseq.reshard import ReshardOptions, plan_reshard, reshard_shards
@@ -442,3 +443,27 @@ def test_many_inputs_need_few_open_files(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     want = reshard_shards(make_shards(make_model(), 100), num_output_shards=2)
     assert_tree_equal([load_checkpoint(tmp_path / "out" / f"s{r}.pt") for r in range(2)], want)
+
+
+def test_an_interrupt_stops_the_other_writers_within_a_chunk(tmp_path, monkeypatch, capsys) -> None:
+    """Ctrl-C (or SIGTERM) with several writer threads: each stops after the chunk it is copying, not at the end of
+    its file (which for a big shard outlasts a scheduler's grace period); nothing is left."""
+    model = make_model(instances=(("", (("decoder.w", (1024, 2048)),), ()),))  # each output: 3 copies of 4 MiB
+    write_shards(make_shards(model, 2), tmp_path / "in")
+    monkeypatch.setattr(torchzip, "CHUNK_BYTES", 1 << 20)  # so 12 chunks per output
+    real_copy, calls = os.copy_file_range, []
+
+    def copy_then_interrupt(*args):  # a slow disk: 20 ms a chunk
+        calls.append(args)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.02)
+        return real_copy(*args)
+
+    monkeypatch.setattr(os, "copy_file_range", copy_then_interrupt)
+    out = tmp_path / "out"
+    assert main(["--input", str(tmp_path / "in" / "*.pt"), "--output", str(out / "s{i}.pt"),
+                 "--num-output-shards", "2", "--num-workers", "2"]) == 130
+    assert "interrupted" in _error_line(capsys.readouterr().err)
+    assert len(calls) <= 6, len(calls)  # of 24: about one more chunk per writer after the signal
+    assert not out.exists() or not list(out.iterdir())

@@ -58,10 +58,12 @@ def write_outputs(jobs: Sequence[Job], *, num_workers: int = 1, progress: Progre
     progress = progress or Progress(sum(j.out.nbytes for j in jobs), len(jobs))
     paths = [j.out.path for j in jobs]
     before, foreign = _file_ids(paths), set()  # foreign: outputs another process wrote meanwhile (left alone)
-    lock = threading.Lock()
+    lock, stopped = threading.Lock(), threading.Event()  # stopped: another job failed, or an interrupt
 
     def run(index: int, job: Job) -> None:  # `index`: the job's key in `progress`
         def report(nbytes: int) -> None:
+            if stopped.is_set():  # a chunk at most after the stop, not the rest of the file (a SIGTERM's grace)
+                raise _Stopped
             with lock:
                 progress.advance(index, nbytes)
 
@@ -80,12 +82,13 @@ def write_outputs(jobs: Sequence[Job], *, num_workers: int = 1, progress: Progre
                 run(index, job)
         else:
             with ThreadPoolExecutor(min(num_workers, len(jobs)), thread_name_prefix="reshard-writer") as pool:
-                futures = [pool.submit(run, index, job) for index, job in enumerate(jobs)]
                 try:
+                    futures = [pool.submit(run, index, job) for index, job in enumerate(jobs)]
                     for future in as_completed(futures):
                         future.result()
                 except BaseException:
-                    pool.shutdown(cancel_futures=True)  # the running copies finish; their files are removed below
+                    stopped.set()
+                    pool.shutdown(cancel_futures=True)  # the running copies stop; their temp files are removed
                     raise
     except BaseException:
         # Every output this call renamed into place (a file it did not find there), also one renamed just before
@@ -96,6 +99,10 @@ def write_outputs(jobs: Sequence[Job], *, num_workers: int = 1, progress: Progre
     finally:
         progress.close()
     return paths
+
+
+class _Stopped(Exception):
+    """Raised in a writer thread to stop its copy: the run is failing."""
 
 
 def _write_one(job: Job, crc32: bool, report: object) -> int:
