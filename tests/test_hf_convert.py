@@ -370,7 +370,13 @@ def test_checkpoints_of_the_earlier_variant_are_refused_for_export(tmp_path, cap
     assert old.model.cfg.no_scale_embedding is False and old.model.cfg.position_offset == 0
     code, err = _run_cli(convert_to_hf, ["--input", str(tmp_path / "old.pt"), "--output", str(tmp_path / "back")], capsys)
     assert code == 2 and "before the OPT-exact change" in err and len(err.splitlines()) == 1
+    assert "its embeddings are scaled and its positions are offset by 0, not 2, which OPTForCausalLM" in err
     assert not (tmp_path / "back").exists()
+    ckpt["cfg"]["model"]["position_offset"] = 0  # only the offset left as it was: named alone
+    ckpt["cfg"]["model"]["no_scale_embedding"] = True
+    atomic_torch_save(ckpt, tmp_path / "offset.pt")
+    code, err = _run_cli(convert_to_hf, ["--input", str(tmp_path / "offset.pt"), "--output", str(tmp_path / "b")], capsys)
+    assert code == 2 and "position_offset=0): its positions are offset by 0, not 2, which" in err, err
 
 
 def test_sharded_safetensors_pytorch_bin_and_sharded_bin_without_prefix_convert_alike(tmp_path):

@@ -131,11 +131,14 @@ def hf_tensors_from_checkpoint(ckpt: Mapping[str, Any], *, source: str) -> tuple
     check_whole_model(config, state, ckpt["cfg"], source=source, fix="export needs the whole model in one part: "
                       f"merge the parts first with {merge_parts_command(source)}, then pass its output as --input")
     if not is_opt_exact(config):
+        unlike = [text for text, differs in (("its embeddings are scaled", not config.no_scale_embedding),
+                                             (f"its positions are offset by {config.position_offset}, not 2",
+                                              config.position_offset != 2)) if differs]
         raise ConversionError(
             f"{source}: written before the OPT-exact change (cfg['model'] no_scale_embedding="
-            f"{config.no_scale_embedding}, position_offset={config.position_offset}): its embeddings are scaled "
-            "and its positions not offset by 2, which OPTForCausalLM cannot compute exactly; serve it with "
-            "metaseq.cli.interactive_cli, or retrain it with the current metaseq.cli.train to export it"
+            f"{config.no_scale_embedding}, position_offset={config.position_offset}): {' and '.join(unlike)}, "
+            "which OPTForCausalLM cannot compute exactly; serve it with metaseq.cli.interactive_cli, or retrain "
+            "it with the current metaseq.cli.train to export it"
         )
     return config, to_hf_state_dict(state)
 
