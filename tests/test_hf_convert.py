@@ -375,7 +375,8 @@ def test_checkpoints_of_the_earlier_variant_are_refused_for_export(tmp_path, cap
     ckpt["cfg"]["model"]["position_offset"] = 0  # only the offset left as it was: named alone
     ckpt["cfg"]["model"]["no_scale_embedding"] = True
     atomic_torch_save(ckpt, tmp_path / "offset.pt")
-    code, err = _run_cli(convert_to_hf, ["--input", str(tmp_path / "offset.pt"), "--output", str(tmp_path / "b")], capsys)
+    code, err = _run_cli(convert_to_hf, ["--input", str(tmp_path / "offset.pt"), "--output", str(tmp_path / "b")],
+                         capsys)
     assert code == 2 and "position_offset=0): its positions are offset by 0, not 2, which" in err, err
 
 
