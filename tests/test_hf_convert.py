@@ -640,6 +640,10 @@ def test_overwrite_replaces_only_a_model_folder_and_keeps_a_tokenizer_copied_in(
     assert convert_to_hf.main([*argv, "--overwrite"]) == 0
     assert sorted(os.listdir(out)) == sorted([*exported, "vocab.json", "merges.txt"])
     assert (out / "merges.txt").read_text() == "the model's own merges.txt"
+    (out / "model.safetensors").write_bytes(b"stale")
+    (tmp_path / "link").symlink_to(out)  # --output a link to the folder: the folder is replaced, the link stays
+    assert convert_to_hf.main([*argv[:3], str(tmp_path / "link"), "-q", "--overwrite"]) == 0
+    assert (tmp_path / "link").is_symlink() and (out / "model.safetensors").read_bytes() != b"stale"
 
 
 @pytest.mark.parametrize("module", [convert_to_hf, convert_from_hf])

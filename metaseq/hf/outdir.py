@@ -61,6 +61,8 @@ def atomic_directory(path: str | os.PathLike, *, overwrite: bool, flag: str = "-
     created or written is reported as a ConversionError naming `flag`.
     """
     path = Path(os.path.abspath(path))  # `.name` of "." or "dir/.." is not the folder's name
+    if path.is_symlink() and path.is_dir():  # a link to a folder: that folder is the one to replace
+        path = path.resolve()
     check_output_directory(path, overwrite=overwrite, flag=flag)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
