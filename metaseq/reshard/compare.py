@@ -77,12 +77,13 @@ def _differing_buffers(found: TensorSet) -> dict[str, OutTensor]:
     differing, inputs = {}, found.inputs
     for name in sorted(found.buffers):
         first = found.model[name]
+        ours = found.read(first)
         for r, item in enumerate(inputs[1:], start=1):
             theirs = first._replace(runs=tuple(run._replace(input=r) for run in first.runs))
             value = _get(item.structure, first.runs[0].path) if first.runs else None
             if value is None or not is_tensor(value) or value.shape != first.shape:
                 continue  # a copy that is not there, or not like input 0's, is not a copy
-            if tensor_difference(found.read(theirs), found.read(first)) is not None:
+            if tensor_difference(found.read(theirs), ours) is not None:
                 differing[f"{name} ({item.path}'s copy, unlike {inputs[0].path}'s)"] = theirs
     return differing
 

@@ -507,12 +507,12 @@ def _cfg_for_output(cfg: Any, options: ReshardOptions, out: OutFile, path0: str)
         updates["common", "model_parallel_size"] = parts  # added where absent, to dict sections
         updates["model", "model_parallel_size"] = parts  # upstream's model args have it too
         updates["checkpoint", "checkpoint_suffix"] = f"-model_part-{part}"
-    result = copy.deepcopy(cfg) if isinstance(cfg, Opaque) else dict(cfg)  # what was read stays as it is
+    result = dict(cfg) if isinstance(cfg, Mapping) else copy.deepcopy(cfg)  # what was read stays as it is
     top = cfg_fields(result)
     for (section, field), value in updates.items():
         if top is None or cfg_fields(top.get(section)) is None:
             continue
-        if not isinstance(cfg, Opaque):
+        if isinstance(cfg, Mapping):  # its sections are input 0's own
             top[section] = copy.deepcopy(top[section])
         fields = cfg_fields(top[section])
         node = fields.get(field)
