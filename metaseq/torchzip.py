@@ -43,7 +43,7 @@ from metaseq.errors import CheckpointLoadError
 
 __all__ = ["ALIGNMENT", "Copy", "DType", "NeedsTorch", "Opaque", "Size", "Storage", "TensorRef", "check_record",
            "copy_file_range_all", "dtype_by_name", "from_torch", "import_torch", "pwrite_all", "pickle_bytes",
-           "read_at", "read_checkpoint", "to_torch", "write_checkpoint", "zip_records"]
+           "read_at", "read_checkpoint", "signals_held", "to_torch", "write_checkpoint", "zip_records"]
 
 ALIGNMENT = 64  # torch aligns every record's data; mmap-loaded tensors need it
 CHUNK_BYTES = 64 << 20  # per copy call: progress and writeback granularity
@@ -466,15 +466,32 @@ def read_checkpoint(source: str | bytes) -> tuple[Any, list[str]]:
     return obj, sorted(f"{m}.{n}" for m, n in unpickler.opaque)
 
 
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """SIGINT and SIGTERM that arrive in the block reach their handlers when it is done: for code that must not be
+    cut short by what a handler raises. Python runs handlers in the main thread only, so elsewhere this does
+    nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    arrived: list[int] = []
+    handlers = {signum: signal.signal(signum, lambda signum, frame: arrived.append(signum))
+                for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for signum, handler in handlers.items():  # None: one not set from Python, which cannot be put back
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+        for signum in dict.fromkeys(arrived):
+            signal.raise_signal(signum)
+
+
 def import_torch() -> Any:
-    """torch, imported with SIGINT and SIGTERM held until it is done (then delivered): torch's import swallows a
-    KeyboardInterrupt, or what a SIGTERM handler raises, that arrives during it, and the run would go on."""
-    if "torch" not in sys.modules and threading.current_thread() is threading.main_thread():
-        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-        try:
+    """torch, imported with the signals held (`signals_held`): torch's import swallows a KeyboardInterrupt, or what
+    a SIGTERM handler raises, that arrives during it, and the run would go on."""
+    if "torch" not in sys.modules:
+        with signals_held():
             import torch  # noqa: F401
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, held)
     import torch
 
     return torch

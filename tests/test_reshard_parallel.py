@@ -455,7 +455,7 @@ def test_an_interrupt_stops_the_other_writers_within_a_chunk(tmp_path, monkeypat
 
     def copy_then_interrupt(*args):  # a slow disk: 20 ms a chunk
         calls.append(args)
-        if len(calls) == 2:
+        if len(calls) == 2:  # (appended by two threads at once, it can also be seen as 2 twice: a second Ctrl-C)
             os.kill(os.getpid(), signal.SIGINT)
         time.sleep(0.02)
         return real_copy(*args)

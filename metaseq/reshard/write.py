@@ -22,7 +22,7 @@ from metaseq.errors import ReshardError
 from metaseq.file_io import atomic_output, remove_stale_temp_files
 from metaseq.reshard.plan import OutFile, Plan, assemble_output
 from metaseq.reshard.progress import Progress
-from metaseq.torchzip import write_checkpoint
+from metaseq.torchzip import signals_held, write_checkpoint
 
 __all__ = ["Job", "available_cpus", "list_jobs", "missing_folders", "remove_outputs", "write_outputs"]
 
@@ -83,18 +83,21 @@ def write_outputs(jobs: Sequence[Job], *, num_workers: int = 1, progress: Progre
         else:
             with ThreadPoolExecutor(min(num_workers, len(jobs)), thread_name_prefix="reshard-writer") as pool:
                 try:
-                    futures = [pool.submit(run, index, job) for index, job in enumerate(jobs)]
+                    with signals_held():  # a thread started, but not yet recorded for shutdown, would be left running
+                        futures = [pool.submit(run, index, job) for index, job in enumerate(jobs)]
                     for future in as_completed(futures):
                         future.result()
                 except BaseException:
-                    stopped.set()
-                    pool.shutdown(cancel_futures=True)  # the running copies stop; their temp files are removed
+                    with signals_held():  # another Ctrl-C would cut the wait short and leave writers running
+                        stopped.set()
+                        pool.shutdown(cancel_futures=True)  # the running copies stop; their temp files are removed
                     raise
     except BaseException:
         # Every output this call renamed into place (a file it did not find there), also one renamed just before
         # the error; a path left as it was keeps its old file.
-        now = _file_ids(paths)
-        remove_outputs([p for p in paths if p in now and now[p] != before.get(p) and p not in foreign], paths)
+        with signals_held():
+            now = _file_ids(paths)
+            remove_outputs([p for p in paths if p in now and now[p] != before.get(p) and p not in foreign], paths)
         raise
     finally:
         progress.close()
