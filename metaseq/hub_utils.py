@@ -40,7 +40,7 @@ from metaseq.hf.variants import is_upstream_cfg, merge_parts_command, model_conf
 from metaseq.models.transformer_lm import TransformerLanguageModel, build_model
 from metaseq.reshard import ReshardError, ReshardOptions
 from metaseq.reshard.plan import plan_model_parallel, plan_structures, read_inputs
-from metaseq.reshard.schema import clean_key
+from metaseq.reshard.schema import clean_key, is_omegaconf
 from metaseq.reshard.write import list_jobs, write_outputs
 from metaseq.tokenizer import BOS, EOS, PAD, UNK, VOCAB_SIZE, encode
 from metaseq.torchzip import NeedsTorch, Opaque, TensorRef, read_checkpoint, to_torch
@@ -113,12 +113,15 @@ def resolve_checkpoint_files(path: str) -> tuple[list[str], bool]:
     pattern = path if is_glob(path) else shard_glob(path)
     fix = ("pass a consolidated file (reshard-model_part-0.pt), all shards of one checkpoint as a glob, or a stem "
            "such as DIR/checkpoint_last.pt")
-    if not is_glob(path) and not glob_files(pattern):
-        raise InferenceLoadError(f"--path {path}: no such file, nor shards of a save by that name ({pattern}); {fix}")
     try:
         files = find_shards(pattern, flag="--path")
     except UserError as e:
-        raise InferenceLoadError(f"{e}; {fix}" if is_glob(path) else f"--path {path}: {e}; {fix}") from None
+        if is_glob(path):
+            raise InferenceLoadError(f"{e}; {fix}") from None
+        if not glob_files(pattern):  # the glob is ours, not the user's: say what they gave is not there
+            raise InferenceLoadError(f"--path {path}: no such file, nor shards of a save by that name ({pattern}); "
+                                     f"{fix}") from None
+        raise InferenceLoadError(f"--path {path}: {e}; {fix}") from None
     return files, True
 
 
@@ -180,7 +183,7 @@ def plain_config(obj: Any) -> Any:
     (upstream's `restored.pt`) as dicts and lists of their values; anything else as it is."""
     if isinstance(obj, Opaque) and obj.qualname == "Namespace" and isinstance(obj.state, dict):
         return argparse.Namespace(**plain_config(obj.state))
-    if isinstance(obj, Opaque) and isinstance(obj.state, dict) and obj.module.startswith("omegaconf"):
+    if is_omegaconf(obj):
         content = obj.state.get("_content", obj.state.get("_val"))
         return plain_config(content)
     if isinstance(obj, dict):

@@ -23,7 +23,7 @@ from metaseq.reshard.options import ReshardOptions
 from metaseq.reshard.plan import (InputFile, Source, analyze_inputs, cut_model_parallel, output_tensors, read_inputs,
                                   tensor_ref, whole_tensor)
 from metaseq.reshard.ranges import OutTensor
-from metaseq.reshard.schema import OPTIM, clean_key, is_tensor
+from metaseq.reshard.schema import OPTIM, clean_key, is_tensor, resolve
 from metaseq.torchzip import Opaque, pickle_bytes, to_torch
 
 __all__ = ["Comparison", "Difference", "TensorSet", "compare_tensor_sets", "describe_comparison", "open_model_parts",
@@ -80,18 +80,15 @@ def _differing_buffers(found: TensorSet) -> dict[str, OutTensor]:
         ours = found.read(first)
         for r, item in enumerate(inputs[1:], start=1):
             theirs = first._replace(runs=tuple(run._replace(input=r) for run in first.runs))
-            value = _get(item.structure, first.runs[0].path) if first.runs else None
-            if value is None or not is_tensor(value) or value.shape != first.shape:
+            try:
+                value = resolve(item.structure, first.runs[0].path) if first.runs else None
+            except (KeyError, TypeError):
+                value = None
+            if not is_tensor(value) or value.shape != first.shape:
                 continue  # a copy that is not there, or not like input 0's, is not a copy
             if tensor_difference(found.read(theirs), ours) is not None:
                 differing[f"{name} ({item.path}'s copy, unlike {inputs[0].path}'s)"] = theirs
     return differing
-
-
-def _get(obj: Any, path: Sequence[Any]) -> Any:
-    for key in path:
-        obj = obj.get(key) if isinstance(obj, Mapping) else None
-    return obj
 
 
 def open_model_parts(groups: Sequence[Sequence[str]], *, trust: bool = False,

@@ -32,7 +32,7 @@ from metaseq.reshard.optim import (OptimLayout, analyze_optimizer, assemble_cons
 from metaseq.reshard.model_parallel import check_parts_fit, cut_model_parts, global_shapes
 from metaseq.reshard.options import ReshardOptions
 from metaseq.reshard.ranges import OutTensor, Run, plan_range
-from metaseq.reshard.schema import OPTIM, cfg_fields, cfg_value, is_tensor, resolve
+from metaseq.reshard.schema import OPTIM, cfg_fields, cfg_value, is_omegaconf, is_tensor, resolve
 from metaseq.torchzip import Copy, DType, NeedsTorch, Opaque, Size, TensorRef, from_torch, read_checkpoint
 
 __all__ = ["InputFile", "OutFile", "Plan", "Source", "analyze_inputs", "assemble_output", "check_output_name",
@@ -516,7 +516,7 @@ def _cfg_for_output(cfg: Any, options: ReshardOptions, out: OutFile, path0: str)
             top[section] = copy.deepcopy(top[section])
         fields = cfg_fields(top[section])
         node = fields.get(field)
-        if isinstance(node, Opaque) and isinstance(node.state, dict) and "_val" in node.state:  # omegaconf's
+        if is_omegaconf(node) and "_val" in node.state:  # a value node
             node.state["_val"] = value
         elif field in fields or (section, field) == ("common", "model_parallel_size") and not isinstance(
                 top[section], Opaque):

@@ -11,7 +11,7 @@ from typing import Any, Mapping, Sequence, TypedDict
 from metaseq.torchzip import Opaque, Size, TensorRef
 
 __all__ = ["Checkpoint", "FlatOptimizerState", "InstanceMetadata", "ParamMetadata", "ShardMetadata", "cfg_fields",
-           "cfg_value", "clean_key", "is_tensor", "join_key", "resolve"]
+           "cfg_value", "clean_key", "is_omegaconf", "is_tensor", "join_key", "resolve"]
 
 WRAPPER_SEGMENTS = frozenset({"_fsdp_wrapped_module", "_fpw_module"})
 OPTIM = "last_optimizer_state"
@@ -87,13 +87,13 @@ def cfg_value(cfg: Any, section: str, key: str) -> Any:
     carried unread as `Opaque` (see `cfg_fields`); None where absent."""
     fields = cfg_fields((cfg_fields(cfg) or {}).get(section))
     value = fields.get(key) if fields is not None else None
-    return value.state["_val"] if _is_omegaconf(value) and "_val" in value.state else value  # a value node's
+    return value.state["_val"] if is_omegaconf(value) and "_val" in value.state else value  # a value node's
 
 
 def cfg_fields(obj: Any) -> dict | Mapping | None:
     """The fields of a cfg or of one of its sections, as a mapping that changes them (Opaque's state): a dict, an
     argparse.Namespace, or a carried omegaconf container's content (its values in value nodes); None for others."""
-    if _is_omegaconf(obj):
+    if is_omegaconf(obj):
         obj = obj.state.get("_content")
     elif isinstance(obj, Opaque):
         obj = obj.state
@@ -101,5 +101,6 @@ def cfg_fields(obj: Any) -> dict | Mapping | None:
     return obj if isinstance(obj, Mapping) else None
 
 
-def _is_omegaconf(obj: Any) -> bool:
+def is_omegaconf(obj: Any) -> bool:
+    """An omegaconf container or value node, carried unread: its `state` holds `_content` or `_val`."""
     return isinstance(obj, Opaque) and obj.module.startswith("omegaconf") and isinstance(obj.state, dict)
