@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import contextlib
+import errno
 import glob
 import logging
 import os
@@ -22,7 +23,7 @@ import torch
 
 from metaseq.distributed.fsdp import lazy_init_all
 from metaseq.errors import UserError
-from metaseq.file_io import (atomic_torch_save, check_no_broken_links, checkpoint_prefix, folder_hint, glob_files,
+from metaseq.file_io import (atomic_link, atomic_torch_save, check_no_broken_links, checkpoint_prefix, folder_hint, glob_files,
                              is_glob, load_checkpoint, natural_sort_key, shard_file_name, shard_glob)
 from metaseq.reshard.layout import analyze_model, missing_shards_hint
 from metaseq.reshard.model_parallel import global_shapes
@@ -93,24 +94,28 @@ def save_training_checkpoint(
     state: dict[str, Any], save_dir: str, *, rank: int, num_updates: int, model_part: int = 0,
     wait: Callable[[], None] = lambda: None,
 ) -> list[str]:
-    """Write `checkpoint_{n}-...`, then `wait()` (for every rank's), then `checkpoint_last-...` of this shard (`rank`:
-    the data-parallel rank), each atomically: a save that fails on any rank leaves checkpoint_last as it was.
-    A write error is raised as an OSError naming the file."""
-    paths = []
-    for step, prefix in enumerate(_checkpoint_names(num_updates)):
-        path = os.path.join(save_dir, shard_file_name(prefix, model_part, rank))
-        if step:
-            wait()
-        try:
-            atomic_torch_save(state, path)
-        except OSError as e:
-            last = os.path.join(save_dir, shard_file_name("checkpoint_last", model_part, rank))
-            left = ("checkpoint_last is left at the last complete save: free space there (or give another "
-                    "--save-dir) and restore from it") if os.path.exists(last) else (
-                    "there is no earlier save: free space there (or give another --save-dir) and train again")
-            raise OSError(e.errno, f"{path}: cannot save it ({e.strerror or e}); {left}") from None
-        paths.append(path)
-    return paths
+    """Write `checkpoint_{n}-...` of this shard (`rank`: the data-parallel rank) atomically, then `wait()` (for every
+    rank's), then make `checkpoint_last-...` that file (a hard link: nothing more to write, so a full disk cannot
+    stop one rank's after another's): a save that fails on any rank leaves checkpoint_last as it was. A write
+    error is raised as an OSError naming the file."""
+    numbered, last = (os.path.join(save_dir, shard_file_name(prefix, model_part, rank))
+                      for prefix in _checkpoint_names(num_updates))
+    try:
+        atomic_torch_save(state, numbered)
+    except OSError as e:
+        fix = "free space there" if e.errno in (errno.ENOSPC, errno.EDQUOT) else "fix that"
+        left = (f"checkpoint_last is left at the last complete save: {fix} (or give another --save-dir) and "
+                "restore from it") if os.path.isfile(last) else (
+                f"there is no earlier save: {fix} (or give another --save-dir) and train again")
+        raise OSError(e.errno, f"{numbered}: cannot save it ({e.strerror or e}); {left}") from None
+    wait()
+    try:
+        atomic_link(numbered, last)
+    except OSError as e:
+        raise OSError(e.errno, f"{last}: cannot replace it ({e.strerror or e}); every rank wrote its "
+                      f"checkpoint_{num_updates} file: restore from {os.path.join(save_dir, f'checkpoint_{num_updates}.pt')}"
+                      ) from None
+    return [numbered, last]
 
 
 def _checkpoint_names(num_updates: int) -> tuple[str, str]:
@@ -150,11 +155,18 @@ def find_restore_files(restore_file: str, world_size: int, model_parallel_size: 
         return [parts[r % model_parallel_size] for r in range(world_size)]
     if hint := folder_hint(restore_file):
         raise RestoreError(f"--restore-file {restore_file}{hint}")
+    matches = glob_files(restore_file) if is_glob(restore_file) else [restore_file]
+    if matches and os.path.isfile(matches[0]) and not _PART_SHARD.search(matches[0]):
+        raise RestoreError(f"--restore-file {restore_file}: {matches[0]} is not named as training names its shards "
+                           "(STEM-model_part-J-shardI.pt), which restoring reads back; rename them so, or reshard them into such names "
+                           "(reshard_fsdp --output-shard-name 'NEW_DIR/checkpoint_last-model_part-0-shard{i}.pt') and "
+                           "restore NEW_DIR/checkpoint_last.pt")
     if is_glob(restore_file):  # it was read as a stem: "no shard files match DIR/*-shard[*]-model_part-0-shard*.pt"
-        matches = glob_files(restore_file)
         example = checkpoint_prefix(matches[0]) + ".pt" if matches else "DIR/checkpoint_last.pt"
         raise RestoreError(f"--restore-file {restore_file} is a glob; name the save instead, e.g. --restore-file "
                            f"{example} (every part's shard files are found from it)")
+    if _PART_FILE.match(restore_file):  # `STEM-model_part-J.pt`, as a consolidated part is named
+        raise RestoreError(f"--restore-file {restore_file}: no such file")
     prefix = checkpoint_prefix(restore_file)
     by_part = _shards_by_part(prefix)
     if not by_part:
@@ -298,8 +310,8 @@ def _check_part_count(restore_file: str, parts: list[int], model_parallel_size: 
     if len(parts) < model_parallel_size and parts == list(range(len(parts))):
         raise RestoreError(
             f"--restore-file {restore_file}: only model part(s) {parts} are there but --model-parallel-size="
-            f"{model_parallel_size}; are the other parts' files missing? (a checkpoint of {len(parts)} part(s) "
-            f"restores with --model-parallel-size={len(parts)})"
+            f"{model_parallel_size}; are the other parts' files missing? (every part's files go in one folder; a "
+            f"checkpoint of {len(parts)} part(s) restores with --model-parallel-size={len(parts)})"
         )
     if len(parts) != model_parallel_size:
         raise RestoreError(

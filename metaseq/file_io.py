@@ -14,6 +14,8 @@ import hashlib
 import logging
 import os
 import re
+import secrets
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator, Sequence
@@ -21,7 +23,7 @@ from typing import Any, BinaryIO, Iterator, Sequence
 from metaseq.errors import CheckpointLoadError, UserError
 from metaseq.torchzip import NeedsTorch, check_record, zip_records
 
-__all__ = ["CheckpointLoadError", "atomic_output", "atomic_torch_save", "check_checkpoint_crc",
+__all__ = ["CheckpointLoadError", "atomic_link", "atomic_output", "atomic_torch_save", "check_checkpoint_crc",
            "check_no_broken_links", "checkpoint_prefix", "find_model_parts", "find_shards", "folder_hint",
            "glob_files", "is_glob", "load_checkpoint", "model_part_number", "natural_sort_key",
            "pattern_forms", "remove_stale_temp_files", "shard_file_name", "shard_glob", "summarize_paths"]
@@ -265,8 +267,35 @@ def atomic_output(path: str | os.PathLike, *, replace: bool = True) -> Iterator[
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+    _sync_folder(path.parent)
+
+
+def atomic_link(src: str | os.PathLike, path: str | os.PathLike) -> None:
+    """Replace `path` by the file `src` atomically: a hard link to it (no data written, so a full disk cannot stop
+    it), renamed over `path`; a copy through `atomic_output` where the file system has no hard links."""
+    path = Path(path)
+    tmp = path.parent / f".{_temp_stem(path.name)}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
     try:
-        dir_fd = os.open(path.parent, os.O_RDONLY)
+        os.link(src, tmp)
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.EXDEV, errno.EOPNOTSUPP, errno.EMLINK):
+            raise
+        with open(src, "rb") as f, atomic_output(path) as out:
+            shutil.copyfileobj(f, out, 16 << 20)
+        return
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    _sync_folder(path.parent)
+
+
+def _sync_folder(folder: Path) -> None:
+    """fsync a folder, so that a rename in it survives a crash."""
+    try:
+        dir_fd = os.open(folder, os.O_RDONLY)
     except OSError:  # e.g. platforms without directory fds
         return
     try:
@@ -383,19 +412,21 @@ def _load_error(path: str, e: BaseException) -> CheckpointLoadError:
                                "a torch checkpoint")
 
 
-def check_checkpoint_crc(path: str | os.PathLike, *, tensors: bool = True) -> int | None:
+def check_checkpoint_crc(path: str | os.PathLike, *, tensors: bool = True) -> tuple[int, int] | None:
     """Check a torch zip checkpoint's records against the CRC32s in its zip directory (torch.load never does).
 
     With `tensors` every record is read (the whole file), else only the small ones (pickle, version, byteorder);
-    records without a CRC (0, as `torch.serialization.set_crc32_options(False)` leaves) are not. Returns the bytes
-    checked, or None for a file that is not a zip (torch's legacy format or garbage: torch.load decides).
+    records without a CRC (0, as `torch.serialization.set_crc32_options(False)` and this project's writer without
+    `crc32` leave) are not. Returns (bytes checked, bytes of records without a CRC), or None for a file that is not
+    a zip (torch's legacy format or garbage: torch.load decides).
     """
     path = str(path)
     try:
         records = zip_records(path)
     except NeedsTorch:
         return None
-    checked = [(name, r) for name, r in records.items() if r.crc and (tensors or not name.startswith("data/"))]
-    for name, record in checked:
-        check_record(path, name, record)
-    return sum(record.size for _, record in checked)
+    wanted = [(name, r) for name, r in records.items() if tensors or not name.startswith("data/")]
+    for name, record in wanted:
+        if record.crc:
+            check_record(path, name, record)
+    return sum(r.size for _, r in wanted if r.crc), sum(r.size for _, r in wanted if not r.crc)

@@ -470,3 +470,16 @@ def test_compare_checkpoints_merges_model_parts(mp_runs, tmp_path, capsys):
     assert "differs: decoder.layers.0.fc1.weight: max abs diff" in capsys.readouterr().out
     assert compare([str(save_dir / SHARDS.format(n="last")), str(p1 / SHARDS.format(n="last")), "--atol", "1e-4",
                     "--skip-optimizer-state", "--quiet"]) == 0
+
+
+def test_compare_checkpoints_of_one_model_part_says_so(mp_runs, tmp_path, capsys):
+    """One part's shards hold a slice of each cut weight: the report names the part, and SAME is about that part."""
+    save_dir = mp_runs["p2"][0]
+    part0 = str(save_dir / "checkpoint_last-model_part-0-shard*.pt")
+    argv = ["--input", part0, "--output", str(tmp_path / "p0" / "s{i}.pt"), "--num-output-shards", "3"]
+    assert reshard_fsdp([*argv, "--quiet"]) == 0
+    assert compare([part0, str(tmp_path / "p0" / "s*.pt")]) == 0
+    out = capsys.readouterr().out
+    assert "A: model part 0 of 2: 2 flat shards" in out and "B: model part 0 of 2: 3 flat shards" in out, out
+    assert "note: A and B each hold one model part: the other parts are not compared" in out
+    assert out.strip().endswith("SAME: the checkpoints hold the same model part and optimizer state"), out

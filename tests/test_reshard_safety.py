@@ -217,6 +217,20 @@ def test_verify_reports_what_it_checked(shard_dir: Path, tmp_path: Path, capsys,
     assert report in err
 
 
+def test_verify_warns_of_inputs_whose_tensor_data_has_no_crc32s(shard_dir: Path, tmp_path: Path, capsys) -> None:
+    """Outputs written without --verify carry CRC32s for their pickle only: resharding them again with --verify says
+    that their tensor data goes unchecked; outputs written with it check in full."""
+    argv = ["--input", str(shard_dir / SHARD.format("*")), "--num-output-shards", "2", "--quiet"]
+    assert main([*argv, "--output", str(tmp_path / "plain" / "shard{i}.pt")]) == 0
+    assert main([*argv, "--output", str(tmp_path / "checked" / "shard{i}.pt"), "--verify"]) == 0
+    capsys.readouterr()
+    for folder, warned in (("plain", True), ("checked", False)):
+        assert main(["--input", str(tmp_path / folder / "shard*.pt"), "--output", str(tmp_path / f"{folder}.pt"),
+                     "--unflatten-weights", "--verify", "--quiet"]) == 0
+        err = capsys.readouterr().err
+        assert ("2 input(s) carry no CRC32s for some or all of their data" in err) is warned, err
+
+
 def test_verify_names_what_of_the_outputs_metadata_differs_from_the_plan(shard_dir: Path, tmp_path: Path) -> None:
     """An output replaced after writing (flat, without optimizer state, where the plan wrote it unflattened with
     it) is refused by name and removed."""

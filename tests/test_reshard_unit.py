@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import copy
+import os
+import re
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -371,3 +374,28 @@ def test_unflattened_file_among_shards_is_rejected() -> None:
     shards = make_shards(make_model(), 2)
     with pytest.raises(ReshardError, match="looks unflattened"):
         reshard_shards([consolidate(shards), shards[1]])
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"num_output_shards": "2"}, "--num-output-shards='2': must be an integer"),
+    ({"num_output_shards": True}, "--num-output-shards=True: must be an integer"),
+    ({"skip_optimizer_state": "False"}, "--skip-optimizer-state='False': must be True or False"),
+    ({"num_output_parts": 1.5}, "--num-output-parts=1.5: must be an integer or None"),
+    ({"input_glob_pattern": None}, "--input-glob-pattern=None: must be a string"),
+])
+def test_options_of_the_wrong_type_are_refused_by_name(options: dict, message: str) -> None:
+    with pytest.raises(ReshardError, match=re.escape(message)):
+        ReshardOptions(**options)
+    assert ReshardOptions(input_glob_pattern=Path("~/x.pt")).input_glob_pattern == os.path.expanduser("~/x.pt")
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"num_output_parts": 2}, "num_output_parts applies to files only"),
+    ({"verify": True}, "verify applies to files only"),
+])
+def test_in_memory_reshard_refuses_what_it_cannot_do(options: dict, message: str) -> None:
+    shards = make_shards(make_model(), 2)
+    with pytest.raises(ReshardError, match=message):
+        reshard_shards(shards, **options)
+    with pytest.raises(ReshardError, match="a list of checkpoint dicts"):
+        reshard_shards(shards[0])

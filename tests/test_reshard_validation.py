@@ -6,12 +6,14 @@ runs `main([...])` and checks that no file under tmp_path was added or changed.
 from __future__ import annotations
 
 import hashlib
+import re
 from pathlib import Path
 from typing import Any, Callable
 
 import pytest
 import torch
 
+from metaseq.checkpoint_utils import RestoreError, read_restore_files
 from metaseq.scripts.reshard_fsdp import main
 from synthetic import Opaque, make_model, make_shards, write_shards
 
@@ -137,6 +139,25 @@ def test_shard_files_not_in_the_order_of_their_ranks(tmp_path: Path, capsys, spo
     spoil(tmp_path / "ckpts")
     line = _fails(tmp_path, capsys, _args(pattern, tmp_path))
     assert words.replace("FOLDER", str(tmp_path / "ckpts")) in line, line
+
+
+def test_a_copied_shard_is_refused_by_its_bytes_where_no_file_says_its_rank(tmp_path: Path, capsys) -> None:
+    """Older resharded files (and upstream's) all say rank 0: different shards go through, but a shard copied over
+    another is refused, by the reshard tool and by training's restore alike."""
+    def unranked(shards: list[dict[str, Any]]) -> None:
+        for shard in shards:
+            shard["cfg"]["distributed_training"]["distributed_rank"] = 0
+            shard["extra_state"]["train_iterator"]["iterations_in_epoch"] = 7
+
+    pattern = _write(tmp_path, unranked)
+    assert main(["--input", pattern, "--output", str(tmp_path / "fine" / "s{i}.pt"), "--num-output-shards", "2",
+                 "--quiet"]) == 0
+    folder = tmp_path / "ckpts"
+    (folder / SHARD.format(2)).write_bytes((folder / SHARD.format(1)).read_bytes())  # neither holds padding
+    copied = f"{folder / SHARD.format(2)} and {folder / SHARD.format(1)} hold the same bytes (their cfg does not say"
+    assert copied in _fails(tmp_path, capsys, _args(pattern, tmp_path))
+    with pytest.raises(RestoreError, match=re.escape(copied)):
+        read_restore_files(str(folder / "checkpoint_last.pt"), 4)
 
 
 def test_file_without_shard_index_among_several(tmp_path: Path, capsys) -> None:
@@ -523,7 +544,7 @@ def test_output_names_that_alias_one_file(tmp_path: Path, capsys, output: str) -
 
 def test_model_part_output_aliasing_another_part_or_its_input(tmp_path: Path, capsys) -> None:
     pattern = _write(tmp_path).replace("model_part-0", "model_part-{j}")
-    write_shards(make_shards(make_model(), 4), tmp_path / "ckpts", part=1)
+    write_shards(make_shards(make_model(seed=1), 4), tmp_path / "ckpts", part=1)
     same = ["--output", str(tmp_path / "o" / "{j}" / ".." / "s{i}.pt")]
     line = _fails(tmp_path, capsys, ["--input", pattern, *same])
     assert f"{tmp_path}/o/0/../s0.pt and {tmp_path}/o/1/../s0.pt are the same file" in line

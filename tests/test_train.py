@@ -2,19 +2,24 @@
 import logging
 import math
 import os
+import re
 import resource
 import shutil
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 
 from conftest import TRAIN_UPDATES
 from metaseq.checkpoint_utils import RestoreError, find_restore_files
 from metaseq.cli import train
+from metaseq.distributed.fsdp import start_ranks
 from metaseq.file_io import load_checkpoint
 from metaseq.scripts.reshard_fsdp import main as reshard_main
 from real_metaseq import RealRunSpec, write_real_runs
@@ -133,6 +138,22 @@ def test_restore_file_that_is_a_folder_names_the_checkpoints_in_it(trained):
         find_restore_files(pattern, 2)
     assert str(error.value) == (f"--restore-file {pattern} is a glob; name the save instead, e.g. --restore-file "
                                 f"{save_dir}/checkpoint_last.pt (every part's shard files are found from it)")
+
+
+@pytest.mark.parametrize("given, words", [
+    ("out/s*.pt", "out/s0.pt is not named as training names its shards (STEM-model_part-J-shardI.pt), which "
+                  "restoring reads back; rename them so, or reshard them into such names"),
+    ("out/s-shard1.pt", "out/s-shard1.pt is not named as training names its shards"),
+    ("out/checkpoint_last-model_part-0.pt", "no such file"),
+])
+def test_restore_file_of_shards_not_named_as_training_names_them(tmp_path, monkeypatch, given, words):
+    """reshard_fsdp and convert_from_hf write any name with '{i}'; training finds a save's shards by its own names."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "out").mkdir()
+    for name in ("s0.pt", "s1.pt", "s-shard1.pt"):
+        (tmp_path / "out" / name).write_bytes(b"")
+    with pytest.raises(RestoreError, match=re.escape(f"--restore-file {given}: {words}")):
+        find_restore_files(given, 2)
 
 
 def test_save_after_a_reshard_removes_the_earlier_runs_extra_shards_it_replaces(trained, tmp_path):
@@ -330,9 +351,25 @@ def test_an_error_inside_a_rank_is_one_line(tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
     assert f"failed: {tmp_path}/run/checkpoint_1-model_part-0-shard" in last, proc.stderr  # no error type
-    assert "cannot save it (File too large); there is no earlier save: free space there" in last
+    assert "cannot save it (File too large); there is no earlier save: fix that (or give another --save-dir)" in last
     assert "Terminating process" not in proc.stderr  # torch's note as it stops the other rank
     assert not list((tmp_path / "run").glob("checkpoint_last*")), "a failed first save must not leave checkpoint_last"
+
+
+def _fail_first_or_after_a_peer(rank: int) -> None:
+    """Rank 1 fails at once but its process lingers (a thread keeps it alive); rank 0 fails a second later, as a
+    rank waiting in a collective does once its peer is gone, and its process goes first."""
+    if rank == 1:
+        threading.Thread(target=time.sleep, args=(3,)).start()
+        raise OSError("the cause: rank 1 cannot write its file")
+    time.sleep(1)
+    raise RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer")
+
+
+def test_the_error_shown_is_the_rank_that_failed_first():
+    with pytest.raises(mp.ProcessRaisedException) as raised:
+        start_ranks(_fail_first_or_after_a_peer, (), 2)
+    assert raised.value.error_index == 1 and "the cause" in str(raised.value)
 
 
 def test_a_save_that_fails_on_one_rank_leaves_checkpoint_last_at_the_last_complete_save(tmp_path):
@@ -352,6 +389,22 @@ def test_a_save_that_fails_on_one_rank_leaves_checkpoint_last_at_the_last_comple
         assert ckpt["optimizer_history"][-1]["num_updates"] == 1
     restored = run_train(tmp_path / "again", world_size=2, max_update=2,
                          extra=["--restore-file", str(tmp_path / "run" / "checkpoint_last.pt")])
+    assert sorted(losses(restored)) == [2]
+
+
+def test_a_checkpoint_last_that_cannot_be_replaced_names_the_complete_save(tmp_path):
+    """Every rank wrote its numbered file, then rank 1 cannot make its checkpoint_last (a folder stands in its way):
+    the error is rank 1's and names the numbered save, which restores; checkpoint_last is a link, not a copy."""
+    blocked = tmp_path / "run" / "checkpoint_last-model_part-0-shard1.pt"
+    blocked.mkdir(parents=True)
+    proc = run_train(tmp_path / "run", world_size=2, max_update=1, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert (f"rank 1 failed: {blocked}: cannot replace it (Is a directory); every rank wrote its checkpoint_1 file: "
+            f"restore from {tmp_path / 'run' / 'checkpoint_1.pt'}") in proc.stderr
+    numbered, last = (tmp_path / "run" / f"checkpoint_{tag}-model_part-0-shard0.pt" for tag in (1, "last"))
+    assert os.path.samefile(numbered, last)
+    restored = run_train(tmp_path / "again", world_size=2, max_update=2,
+                         extra=["--restore-file", str(tmp_path / "run" / "checkpoint_1.pt")])
     assert sorted(losses(restored)) == [2]
 
 

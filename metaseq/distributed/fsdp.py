@@ -1,8 +1,10 @@
 """Process-group start-up and fairscale FSDP wrapping for the LM."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import pickle
 import warnings
 from typing import Any, Callable
 
@@ -40,13 +42,33 @@ def start_ranks(fn: Callable[..., None], args: tuple[Any, ...], nprocs: int) -> 
     try:
         while not context.join():
             pass
-    except BaseException:
+    except BaseException as e:
         for process in context.processes:
             if process.is_alive():
                 process.terminate()
         for process in context.processes:
             process.join()
+        first = _first_failure(context)
+        if isinstance(e, mp.ProcessRaisedException) and first is not None:
+            raise first from None
         raise
+    finally:
+        for path in context.error_files:  # torch leaves them in the temp folder
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+
+def _first_failure(context: mp.ProcessContext) -> mp.ProcessRaisedException | None:
+    """The error of the rank that failed first, by when it wrote its traceback: torch raises the first error it
+    sees, often another rank's that only says a peer is gone (gloo's "Connection reset by peer")."""
+    written = [(os.stat(path).st_mtime_ns, i) for i, path in enumerate(context.error_files) if os.path.exists(path)]
+    if not written:
+        return None
+    _, index = min(written)
+    with open(context.error_files[index], "rb") as f:
+        trace = pickle.load(f)  # written by torch's wrapper of this rank
+    return mp.ProcessRaisedException(f"\n\n-- Process {index} terminated with the following error:\n{trace}", index,
+                                     context.processes[index].pid)
 
 
 def init_distributed(rank: int, world_size: int, init_method: str) -> torch.device:

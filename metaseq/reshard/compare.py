@@ -15,7 +15,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from metaseq.errors import ReshardError, short_repr
-from metaseq.file_io import summarize_paths
+from metaseq.file_io import model_part_number, summarize_paths
 from metaseq.models.partition import rule_for
 from metaseq.reshard.layout import global_params
 from metaseq.reshard.optim import differing_settings, optimizer_settings
@@ -23,7 +23,7 @@ from metaseq.reshard.options import ReshardOptions
 from metaseq.reshard.plan import (InputFile, Source, analyze_inputs, cut_model_parallel, output_tensors, read_inputs,
                                   tensor_ref, whole_tensor)
 from metaseq.reshard.ranges import OutTensor
-from metaseq.reshard.schema import OPTIM, clean_key, is_tensor, resolve
+from metaseq.reshard.schema import OPTIM, cfg_value, clean_key, is_tensor, resolve
 from metaseq.torchzip import Opaque, pickle_bytes, to_torch
 
 __all__ = ["Comparison", "Difference", "TensorSet", "compare_tensor_sets", "describe_comparison", "open_model_parts",
@@ -68,7 +68,10 @@ def open_tensor_set(paths: Sequence[str], *, trust: bool = False, skip_optimizer
         return _plain_tensor_set(inputs[0], skip_optimizer_state)
     options = ReshardOptions(skip_optimizer_state=skip_optimizer_state)
     found = tensor_set_from_source(analyze_inputs([i.structure for i in inputs], list(paths), options), inputs)
-    return replace(found, model={**found.model, **_differing_buffers(found)})
+    parts = cfg_value(first.get("cfg"), "common", "model_parallel_size")
+    form = f"model part {model_part_number(paths[0]) or 0} of {parts}: {found.form}" if type(parts) is int and \
+        parts > 1 else found.form  # one part alone holds a slice of each cut weight
+    return replace(found, form=form, model={**found.model, **_differing_buffers(found)})
 
 
 def _differing_buffers(found: TensorSet) -> dict[str, OutTensor]:
@@ -358,7 +361,13 @@ def describe_comparison(comparison: Comparison, a: TensorSet, b: TensorSet) -> l
         lines[-1] += f" and {comparison.optimizer_scalars} optimizer scalars"
     lines.append("note: cfg, optimizer_history (update count, LR scheduler) and extra_state but EMA (data position, "
                  "metrics, RNG states) are not compared")
+    parts = [side for side, checkpoint in (("A", a), ("B", b)) if checkpoint.form.startswith("model part ")]
+    if parts:
+        held = "A and B each hold" if len(parts) == 2 else f"{parts[0]} holds"
+        lines.append(f"note: {held} one model part: the other parts are not compared; give every part's files "
+                     "('...-model_part-*-shard*.pt') to compare whole models")
     lines += [f"note: {note}" for note in comparison.notes]
     lines += [f"differs: {d.name}: {d.detail}" for d in comparison.differences]
-    same = "SAME: the checkpoints hold the same model" + " and optimizer state" * comparison.optimizer_compared
+    same = ("SAME: the checkpoints hold the same model" + " part" * bool(parts)
+            + " and optimizer state" * comparison.optimizer_compared)
     return lines + [same if comparison.equal else f"DIFFERENT: {len(comparison.differences)} difference(s)"]

@@ -33,7 +33,8 @@ from metaseq.reshard.model_parallel import check_parts_fit, cut_model_parts, glo
 from metaseq.reshard.options import ReshardOptions
 from metaseq.reshard.ranges import OutTensor, Run, plan_range
 from metaseq.reshard.schema import OPTIM, cfg_fields, cfg_value, is_omegaconf, is_tensor, resolve
-from metaseq.torchzip import Copy, DType, NeedsTorch, Opaque, Size, TensorRef, from_torch, read_checkpoint
+from metaseq.torchzip import (Copy, DType, NeedsTorch, Opaque, Size, Storage, TensorRef, from_torch, pickle_bytes,
+                              read_at, read_checkpoint, storages_of)
 
 __all__ = ["InputFile", "OutFile", "Plan", "Source", "analyze_inputs", "assemble_output", "check_output_name",
            "check_rank_order", "check_same_save", "cut_model_parallel", "describe_plan", "expand_model_parts",
@@ -365,7 +366,7 @@ def check_rank_order(structures: Sequence[Mapping[str, Any]], labels: Sequence[s
     of part j saved by rank i * parts + j (fairscale's model-parallel layout)."""
     ranks = [cfg_value(s.get("cfg"), "distributed_training", "distributed_rank") for s in structures]
     if len(set(ranks)) == 1 or not all(type(r) is int for r in ranks):
-        return
+        return _check_not_copies(structures, labels)
     first = {}
     for rank, label in zip(ranks, labels):
         if first.setdefault(rank, label) != label:
@@ -378,6 +379,30 @@ def check_rank_order(structures: Sequence[Mapping[str, Any]], labels: Sequence[s
             raise ReshardError(f"{labels[t]} was saved by rank {ranks[t]} (its cfg's distributed_rank) but its name "
                                f"says rank {expected}: the files were renamed or swapped; give them back the names "
                                "training wrote")
+
+
+def _check_not_copies(structures: Sequence[Mapping[str, Any]], labels: Sequence[str]) -> None:
+    """Files that do not say which rank saved them: refuse two of the same pickle and tensor bytes (a shard copied
+    under another's name). The first bytes of each storage tell files apart; files alike there are read in full."""
+    seen: dict[tuple, list[tuple[str, list[Storage]]]] = {}
+    for structure, label in zip(structures, labels):
+        storages = [s for s in storages_of(structure) if s.nbytes]
+        key = (pickle_bytes(structure), *(bytes(read_at(*s.locate(0), min(s.nbytes, 4096))) for s in storages))
+        for other, theirs in seen.get(key, []) if storages else ():
+            if all(_same_bytes(a, b) for a, b in zip(storages, theirs)):
+                raise ReshardError(f"{label} and {other} hold the same bytes (their cfg does not say which rank saved "
+                                   "each): one is a copy of the other; use the files of one save")
+        seen.setdefault(key, []).append((label, storages))
+
+
+def _same_bytes(a: Storage, b: Storage, window: int = 16 << 20) -> bool:
+    """Whether two storages of one size hold the same bytes (read a window at a time)."""
+    (source_a, at_a), (source_b, at_b) = a.locate(0), b.locate(0)
+    for start in range(0, a.nbytes, window):
+        size = min(window, a.nbytes - start)
+        if read_at(source_a, at_a + start, size) != read_at(source_b, at_b + start, size):
+            return False
+    return True
 
 
 def output_tensors(source: Source, options: ReshardOptions, rank: int) -> list[OutTensor]:

@@ -30,6 +30,8 @@ __all__ = ["reshard", "reshard_fsdp_checkpoints", "reshard_shards"]
 
 logger = logging.getLogger(__name__)
 
+_IN_MEMORY = ("num_output_shards", "unflatten_weights", "skip_optimizer_state", "output_dtype", "drop_metaseq_req")
+
 
 def reshard(options: ReshardOptions, *, world: World | None = None) -> list[Plan]:
     """Plan every model part, then (unless `options.dry_run`) write and verify; returns the plans.
@@ -141,6 +143,11 @@ def reshard_shards(shard_dicts: Sequence[Mapping[str, Any]], **options: Any) -> 
     outside the checkpoint format come back as `metaseq.torchzip.Opaque` records.
     """
     opts = ReshardOptions(**options)
+    if unused := [k for k in options if k not in _IN_MEMORY]:  # e.g. num_output_parts: needs every part's files
+        raise ReshardError(f"reshard_shards reshards one model part's shards in memory: {unused[0]} applies to files "
+                           "only; use reshard(ReshardOptions(...)) on the files")
+    if isinstance(shard_dicts, Mapping):
+        raise ReshardError("reshard_shards takes a list of checkpoint dicts (one per shard, in rank order), not one")
     inputs = [InputFile(f"shard {r}", -1, 0, from_torch(d)[0]) for r, d in enumerate(shard_dicts)]
     names = [f"output {r}" for r in range(opts.num_output_shards)]
     plan = plan_structures(inputs, opts, names)
