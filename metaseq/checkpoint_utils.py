@@ -22,13 +22,13 @@ from typing import Any, Callable, Mapping, NamedTuple
 import torch
 
 from metaseq.distributed.fsdp import lazy_init_all
-from metaseq.errors import UserError
+from metaseq.errors import UserError, short_repr
 from metaseq.file_io import (atomic_link, atomic_torch_save, check_no_broken_links, checkpoint_prefix, folder_hint, glob_files,
                              is_glob, load_checkpoint, natural_sort_key, shard_file_name, shard_glob)
 from metaseq.reshard.layout import analyze_model, missing_shards_hint
 from metaseq.reshard.model_parallel import global_shapes
 from metaseq.reshard.optim import analyze_optimizer
-from metaseq.reshard.plan import check_rank_order, check_same_save, read_inputs, saved_at
+from metaseq.reshard.plan import check_rank_order, check_same_save, read_inputs
 from metaseq.reshard.schema import cfg_value, is_tensor
 from metaseq.torchzip import Opaque, Size, read_checkpoint
 
@@ -42,6 +42,7 @@ __all__ = [
     "read_restore_files",
     "remove_replaced_shards",
     "save_training_checkpoint",
+    "saved_counts",
 ]
 
 logger = logging.getLogger(__name__)
@@ -212,8 +213,9 @@ def read_restore_files(restore_file: str, world_size: int, model_parallel_size: 
             analyze_optimizer(structures[j::parts], layout)
     except UserError as e:  # the fix the reshard tool's checks name is a flag training has not
         fix = "restore a copy without it: reshard_fsdp --skip-optimizer-state True"
-        raise RestoreError(f"--restore-file {restore_file}: {str(e).replace('pass --skip-optimizer-state', fix)}"
-                           ) from None
+        text = str(e).replace("pass --skip-optimizer-state", fix).replace("only FSDP shards can be resharded", (
+            "training restores what it or the reshard tools wrote (with shard_metadata), not a plain state dict"))
+        raise RestoreError(f"--restore-file {restore_file}: {text}") from None
     try:
         for path in unique:
             load_checkpoint(path, mmap=True, trust=trust)
@@ -246,22 +248,29 @@ def read_restore_files(restore_file: str, world_size: int, model_parallel_size: 
     if elements and (dtype := elements.most_common(1)[0][0]) != "torch.float32":
         logger.warning("--restore-file %s: the weights are %s; training runs in float32, so they are loaded and "
                        "saved as float32 (reshard_fsdp --output-dtype casts a save back)", restore_file, dtype)
-    updates = saved_at(structures[0])[0]
-    positions = [_samples_seen(s) for s in structures]
+    updates, _ = saved_counts(structures[0])
+    positions = [saved_counts(s)[1] for s in structures]
+    for what, value in (("optimizer_history[-1]['num_updates']", updates),
+                        ("extra_state['train_iterator']['samples_seen']", positions[0])):
+        if value is not None and (type(value) is not int or value < 0):
+            raise RestoreError(f"--restore-file {restore_file}: {unique[0]}'s {what} is {short_repr(value, 40)}, "
+                               "not a count; restore files training wrote")
     if len(set(positions)) > 1:  # each rank would take its own: the data-parallel ranks' batches would not fit
         odd = next(i for i, p in enumerate(positions) if p != positions[0])
         raise RestoreError(f"--restore-file {restore_file}: {unique[odd]} is at sample {positions[odd]} of the data "
                            f"but {unique[0]} at {positions[0]} (extra_state['train_iterator']['samples_seen']): the "
                            "files were not saved together; restore the files of one save")
-    return Restored(updates if isinstance(updates, int) else 0, cfg, model, shapes, positions[0])
+    return Restored(updates or 0, cfg, model, shapes, positions[0])
 
 
-def _samples_seen(structure: Mapping[str, Any]) -> int | None:
-    """A file's data position (what metaseq.cli.train saves), or None."""
-    extra = structure.get("extra_state")
+def saved_counts(ckpt: Mapping[str, Any]) -> tuple[Any, Any]:
+    """(num_updates, samples_seen) as a training checkpoint holds them (`optimizer_history`, `extra_state`'s
+    `train_iterator`); None where absent."""
+    history = ckpt.get("optimizer_history")
+    last = history[-1] if isinstance(history, list) and history and isinstance(history[-1], Mapping) else {}
+    extra = ckpt.get("extra_state")
     position = extra.get("train_iterator") if isinstance(extra, Mapping) else None
-    samples = position.get("samples_seen") if isinstance(position, Mapping) else None
-    return samples if type(samples) is int else None
+    return last.get("num_updates"), position.get("samples_seen") if isinstance(position, Mapping) else None
 
 
 def _missing_shards(files: list[str]) -> str:

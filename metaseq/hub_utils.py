@@ -24,7 +24,7 @@ import math
 import os
 import re
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Collection, Mapping
 
 import torch
@@ -85,6 +85,11 @@ class GenerationConfig:
 
     def validate(self) -> None:
         """Raise ValueError naming the flag to change."""
+        for f in fields(self):  # the annotated types (an int is a float too)
+            value, kinds = getattr(self, f.name), {"int": (int,), "float": (int, float), "bool": (bool,)}[f.type]
+            if type(value) not in kinds:
+                wanted = {"int": "an integer", "float": "a number", "bool": "True or False"}[f.type]
+                raise ValueError(f"--{f.name.replace('_', '-')}={value!r}: must be {wanted}")
         if self.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens={self.max_new_tokens} must be at least 1")
         if not 0 < self.temperature < math.inf:
@@ -391,6 +396,8 @@ class GeneratorInterface:
         """One completion per prompt (the text after the prompt, stop token excluded)."""
         cfg = cfg or GenerationConfig()
         cfg.validate()
+        if isinstance(prompts, str) or not all(isinstance(p, str) for p in prompts):
+            raise ValueError("generate takes a list of prompt strings, e.g. generate([prompt])")
         tok = self.tokenizer
         ids = generate_ids(self.model, [tok.encode(p) for p in prompts], cfg, newline_ids=tok.newline_ids)
         return [tok.decode(x) for x in ids]

@@ -309,6 +309,8 @@ def zip_records(source: str | bytes) -> dict[str, Record]:
             return records
     except FileNotFoundError:
         raise CheckpointLoadError(f"{source}: no such file") from None
+    except IsADirectoryError:
+        raise CheckpointLoadError(f"{source}: a folder, not a checkpoint file") from None
     except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError, NotImplementedError,
             struct.error) as e:
         text = str(e).strip().splitlines()[0][:160] if str(e).strip() else ""
@@ -440,13 +442,14 @@ class _Unpickler(pickle.Unpickler):
         return self.storages[key]
 
 
-def read_checkpoint(source: str | bytes) -> tuple[Any, list[str]]:
+def read_checkpoint(source: str | os.PathLike | bytes) -> tuple[Any, list[str]]:
     """The checkpoint's object with `TensorRef`s for tensors, and the globals it keeps as `Opaque`.
 
     `source` is a file path (only the zip directory, the pickle and storages of at most
     SMALL_BYTES are read: no tensor data) or a whole file in memory. Raises NeedsTorch
     (see the module docstring) or CheckpointLoadError.
     """
+    source = os.fspath(source) if isinstance(source, os.PathLike) else source
     name = source if isinstance(source, str) else "<in memory>"
     records = zip_records(source)
     if "data.pkl" not in records:

@@ -189,6 +189,8 @@ def test_batched_prompts_decode_like_single_prompts(resharded):
     gen = GeneratorInterface.from_checkpoint(str(resharded[1]))
     cfg = GenerationConfig(max_new_tokens=15)
     assert gen.generate(PROMPTS, cfg) == [gen.generate([p], cfg)[0] for p in PROMPTS]
+    with pytest.raises(ValueError, match="generate takes a list of prompt strings"):
+        gen.generate(PROMPTS[0], cfg)  # a string: one answer per character
 
 
 def test_sampling_is_reproducible_per_seed_and_tiny_top_p_is_greedy(resharded):
@@ -242,7 +244,9 @@ def test_too_long_prompt_and_bad_flags_are_value_errors():
     model = _ScriptedLM([EOS], 1)
     with pytest.raises(ValueError, match="a prompt of 70 tokens does not fit"):
         generate_ids(model, [encode("x" * 69)], GenerationConfig())
-    for bad, flag in [(dict(top_p=0.0), "--top-p"), (dict(temperature=0.0), "--temperature"), (dict(max_new_tokens=0), "--max-new-tokens")]:
+    for bad, flag in [(dict(top_p=0.0), "--top-p"), (dict(temperature=0.0), "--temperature"), (dict(max_new_tokens=0), "--max-new-tokens"),
+                      (dict(max_new_tokens="5"), "--max-new-tokens='5': must be an integer"),
+                      (dict(seed=1.5), "--seed=1.5: must be an integer"), (dict(sampling=1), "--sampling=1: must be True")]:
         with pytest.raises(ValueError, match=flag):
             GenerationConfig(**bad).validate()
 

@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -248,6 +249,17 @@ def _edited(**model_cfg):
     return edit
 
 
+def _saved(edit: Callable[[dict], None]) -> Callable:
+    """The W=2 run's last save with `edit` applied to each file, as a hand-edited checkpoint."""
+    def write(trained, tmp_path) -> str:
+        for rank in range(2):
+            ckpt = load_checkpoint(trained[2][0] / f"checkpoint_last-model_part-0-shard{rank}.pt")
+            edit(ckpt)
+            torch.save(ckpt, tmp_path / f"checkpoint_last-model_part-0-shard{rank}.pt")
+        return str(tmp_path / "checkpoint_last.pt")
+    return write
+
+
 def _broken_link(trained, tmp_path) -> str:
     shutil.copy(trained[2][0] / "checkpoint_last-model_part-0-shard0.pt", tmp_path)
     os.symlink(tmp_path / "gone.pt", tmp_path / "checkpoint_last-model_part-0-shard1.pt")
@@ -300,6 +312,15 @@ def _not_a_training_checkpoint(trained, tmp_path) -> str:
                                   "model part, so shard(s) 1 seem to be missing"),
         (_consolidated_optimizer_without_id_map, [], "restore a copy without it: reshard_fsdp --skip-optimizer-state "
                                                      "True"),
+        (_saved(lambda c: c["cfg"]["common"].update(seed="1")), [], "--restore-file {R}: its cfg['common']['seed'] "
+                                                                    "must be a number, got '1'; pass --seed"),
+        (_saved(lambda c: c["cfg"]["optimization"].update(batch_size=0)), [], "its cfg['optimization']['batch_size'] "
+                                                                              "must be at least 1, got 0"),
+        (_saved(lambda c: c["optimizer_history"][-1].update(num_updates="6")), [], "shard0.pt's optimizer_history[-1]"
+                                                                                   "['num_updates'] is '6', not a count"),
+        (_saved(lambda c: c["extra_state"]["train_iterator"].update(samples_seen=-8)), [], "is -8, not a count"),
+        (_saved(lambda c: c.pop("shard_metadata")), [], "no 'shard_metadata'; it has flat_param_* keys but was saved "
+         "without FSDP's local_metadata_dict(); training restores what it or the reshard tools wrote"),
     ],
 )
 def test_restore_files_that_cannot_go_on_are_refused_before_any_rank_starts(trained, tmp_path, caplog, restore, flags,

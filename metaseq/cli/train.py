@@ -50,7 +50,7 @@ from metaseq.distributed.model_parallel import (
     init_model_parallel,
     shutdown_model_parallel,
 )
-from metaseq.errors import UserError
+from metaseq.errors import UserError, short_repr
 from metaseq.file_io import load_checkpoint, summarize_paths
 from metaseq.models.model_parallel import check_model_parallel_sizes, vocab_parallel_loss_sum
 from metaseq.models.transformer_lm import ModelConfig, weights_mismatch
@@ -91,8 +91,8 @@ class TrainState:
 # TrainConfig field -> where the checkpoint's cfg holds it (`checkpoint_cfg`). A restored model's sizes come from
 # its files.
 MAX_SEED = 2**46 - 1  # seed * 100003 + epoch must fit torch's 64-bit seed
-RESTORED = {"seed": ("common", "seed"), "lr": ("optimization", "lr"), "batch_size": ("optimization", "batch_size"),
-            "seq_len": ("task", "seq_len")}
+RESTORED = {"seed": ("common", "seed", int), "lr": ("optimization", "lr", non_negative_float),
+            "batch_size": ("optimization", "batch_size", positive_int), "seq_len": ("task", "seq_len", positive_int)}
 MODEL_FLAGS = ("decoder_layers", "decoder_embed_dim", "decoder_attention_heads", "decoder_ffn_embed_dim",
                "max_target_positions", "fused_qkv")
 
@@ -176,13 +176,19 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         logger.warning("--restore-file %s holds no data position (extra_state['train_iterator'] has no samples_seen: "
                        "upstream metaseq's, or dropped by reshard_fsdp --drop-metaseq-req): training starts the data "
                        "from its beginning, not where update %d left it", args.restore_file, restored.num_updates)
-    values = {}
-    for name, (section, key) in RESTORED.items():
+    values = {k: v for k, v in given.items() if k in fields}
+    for name, (section, key, check) in RESTORED.items():
         value = cfg_value(restored.cfg, section, key)
         value = value[0] if isinstance(value, list) and value else value  # lr: one per param group
-        if value is not None:
-            values[name] = value
-    values.update((k, v) for k, v in given.items() if k in fields)
+        if value is None or name in values:
+            continue
+        try:  # checked as the flag is
+            if type(value) not in ((int, float) if check is non_negative_float else (int,)):
+                raise argparse.ArgumentTypeError(f"must be a number, got {short_repr(value, 40)}")
+            values[name] = check(str(value))
+        except argparse.ArgumentTypeError as e:
+            raise ValueError(f"--restore-file {args.restore_file}: its cfg['{section}']['{key}'] {e}; pass "
+                             f"--{name.replace('_', '-')} to give another") from None
     return TrainConfig(model=model, restored_updates=restored.num_updates, **values)
 
 
@@ -281,12 +287,9 @@ def restore(cfg: TrainConfig, rank: int) -> dict[str, Any] | None:
 def load_restored_state(model: Any, optimizer: torch.optim.Optimizer, ckpt: dict[str, Any]) -> TrainState:
     """Load shards (flat, this rank's) or a consolidated checkpoint of this rank's part (unflattened, any D)."""
     checkpoint_utils.load_training_state(model, optimizer, ckpt)
-    extra = ckpt.get("extra_state") or {}
-    return TrainState(
-        num_updates=(ckpt.get("optimizer_history") or [{}])[-1].get("num_updates", 0),
-        samples_seen=(extra.get("train_iterator") or {}).get("samples_seen", 0),
-        training_time=extra.get("previous_training_time", 0.0),
-    )
+    updates, samples = checkpoint_utils.saved_counts(ckpt)  # checked before the ranks started
+    return TrainState(num_updates=updates or 0, samples_seen=samples or 0,
+                      training_time=(ckpt.get("extra_state") or {}).get("previous_training_time", 0.0))
 
 
 def train_step(model: Any, optimizer: torch.optim.Optimizer, batch: torch.Tensor, layout: RankLayout,
