@@ -43,7 +43,7 @@ from metaseq.errors import CheckpointLoadError
 
 __all__ = ["ALIGNMENT", "Copy", "DType", "NeedsTorch", "Opaque", "Size", "Storage", "TensorRef", "check_record",
            "copy_file_range_all", "dtype_by_name", "from_torch", "import_torch", "pwrite_all", "pickle_bytes",
-           "read_at", "read_checkpoint", "signals_held", "storages_of", "to_torch", "write_checkpoint", "zip_records"]
+           "read_at", "read_checkpoint", "signals_held", "to_torch", "write_checkpoint", "zip_records"]
 
 ALIGNMENT = 64  # torch aligns every record's data; mmap-loaded tensors need it
 CHUNK_BYTES = 64 << 20  # per copy call: progress and writeback granularity
@@ -741,13 +741,6 @@ def _end_records(count: int, cd_offset: int, cd_size: int) -> bytes:
 def pickle_bytes(obj: Any) -> bytes:
     """The pickle `write_checkpoint` writes for `obj` (tensors as storage references): to compare objects."""
     return _Pickler().dump(obj)
-
-
-def storages_of(obj: Any) -> list[Storage]:
-    """The storages of `obj`'s tensors, each once, in the order `write_checkpoint` writes them."""
-    pickler = _Pickler()
-    pickler.dump(obj)
-    return [storage for _, storage in pickler.storages.values()]
 
 
 def _entries(obj: Any) -> list[_Entry]:

@@ -32,9 +32,9 @@ from metaseq.reshard.optim import (OptimLayout, analyze_optimizer, assemble_cons
 from metaseq.reshard.model_parallel import check_parts_fit, cut_model_parts, global_shapes
 from metaseq.reshard.options import ReshardOptions
 from metaseq.reshard.ranges import OutTensor, Run, plan_range
-from metaseq.reshard.schema import OPTIM, cfg_fields, cfg_value, is_omegaconf, is_tensor, resolve
-from metaseq.torchzip import (Copy, DType, NeedsTorch, Opaque, Size, Storage, TensorRef, from_torch, pickle_bytes,
-                              read_at, read_checkpoint, storages_of)
+from metaseq.reshard.schema import OPTIM, cfg_fields, cfg_value, is_omegaconf, is_tensor, resolve, tensors_in
+from metaseq.torchzip import (Copy, DType, NeedsTorch, Opaque, Size, Storage, TensorRef, from_torch, read_at,
+                              read_checkpoint)
 
 __all__ = ["InputFile", "OutFile", "Plan", "Source", "analyze_inputs", "assemble_output", "check_output_name",
            "check_rank_order", "check_same_save", "cut_model_parallel", "describe_plan", "expand_model_parts",
@@ -382,12 +382,12 @@ def check_rank_order(structures: Sequence[Mapping[str, Any]], labels: Sequence[s
 
 
 def _check_not_copies(structures: Sequence[Mapping[str, Any]], labels: Sequence[str]) -> None:
-    """Files that do not say which rank saved them: refuse two of the same pickle and tensor bytes (a shard copied
+    """Files that do not say which rank saved them: refuse two whose tensors hold the same bytes (a shard copied
     under another's name). The first bytes of each storage tell files apart; files alike there are read in full."""
     seen: dict[tuple, list[tuple[str, list[Storage]]]] = {}
     for structure, label in zip(structures, labels):
-        storages = [s for s in storages_of(structure) if s.nbytes]
-        key = (pickle_bytes(structure), *(bytes(read_at(*s.locate(0), min(s.nbytes, 4096))) for s in storages))
+        storages = list({id(t.storage): t.storage for t in tensors_in(structure) if t.storage.nbytes}.values())
+        key = tuple((s.nbytes, bytes(read_at(*s.locate(0), min(s.nbytes, 4096)))) for s in storages)
         for other, theirs in seen.get(key, []) if storages else ():
             if all(_same_bytes(a, b) for a, b in zip(storages, theirs)):
                 raise ReshardError(f"{label} and {other} hold the same bytes (their cfg does not say which rank saved "

@@ -6,12 +6,12 @@ and type checkers, not runtime validation (that is in `layout` and `optim`).
 from __future__ import annotations
 
 import argparse
-from typing import Any, Mapping, Sequence, TypedDict
+from typing import Any, Iterator, Mapping, Sequence, TypedDict
 
 from metaseq.torchzip import Opaque, Size, TensorRef
 
 __all__ = ["Checkpoint", "FlatOptimizerState", "InstanceMetadata", "ParamMetadata", "ShardMetadata", "cfg_fields",
-           "cfg_value", "clean_key", "is_omegaconf", "is_tensor", "join_key", "resolve"]
+           "cfg_value", "clean_key", "is_omegaconf", "is_tensor", "join_key", "resolve", "tensors_in"]
 
 WRAPPER_SEGMENTS = frozenset({"_fsdp_wrapped_module", "_fpw_module"})
 OPTIM = "last_optimizer_state"
@@ -73,6 +73,15 @@ def join_key(prefix: str, name: str) -> str:
 def is_tensor(value: Any) -> bool:
     """A tensor of a checkpoint as `metaseq.torchzip` reads it."""
     return type(value) is TensorRef
+
+
+def tensors_in(obj: Any) -> Iterator[TensorRef]:
+    """Every tensor of a checkpoint in its dicts, lists and tuples (what carried objects hold is not looked at)."""
+    if is_tensor(obj):
+        yield obj
+    elif isinstance(obj, (dict, list, tuple)):
+        for value in obj.values() if isinstance(obj, dict) else obj:
+            yield from tensors_in(value)
 
 
 def resolve(obj: Any, path: Sequence[Any]) -> Any:
