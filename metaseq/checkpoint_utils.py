@@ -23,8 +23,8 @@ import torch
 
 from metaseq.distributed.fsdp import lazy_init_all
 from metaseq.errors import UserError, short_repr
-from metaseq.file_io import (atomic_link, atomic_torch_save, check_no_broken_links, checkpoint_prefix, folder_hint, glob_files,
-                             is_glob, load_checkpoint, natural_sort_key, shard_file_name, shard_glob)
+from metaseq.file_io import (atomic_link, atomic_torch_save, check_no_broken_links, checkpoint_prefix, folder_hint,
+                             glob_files, is_glob, load_checkpoint, natural_sort_key, shard_file_name, shard_glob)
 from metaseq.reshard.layout import analyze_model, missing_shards_hint
 from metaseq.reshard.model_parallel import global_shapes
 from metaseq.reshard.optim import analyze_optimizer
@@ -113,9 +113,9 @@ def save_training_checkpoint(
     try:
         atomic_link(numbered, last)
     except OSError as e:
+        complete = os.path.join(save_dir, f"checkpoint_{num_updates}.pt")
         raise OSError(e.errno, f"{last}: cannot replace it ({e.strerror or e}); every rank wrote its "
-                      f"checkpoint_{num_updates} file: restore from {os.path.join(save_dir, f'checkpoint_{num_updates}.pt')}"
-                      ) from None
+                      f"checkpoint_{num_updates} file: restore from {complete}") from None
     return [numbered, last]
 
 
@@ -159,9 +159,9 @@ def find_restore_files(restore_file: str, world_size: int, model_parallel_size: 
     matches = glob_files(restore_file) if is_glob(restore_file) else [restore_file]
     if matches and os.path.isfile(matches[0]) and not _PART_SHARD.search(matches[0]):
         raise RestoreError(f"--restore-file {restore_file}: {matches[0]} is not named as training names its shards "
-                           "(STEM-model_part-J-shardI.pt), which restoring reads back; rename them so, or reshard them into such names "
-                           "(reshard_fsdp --output-shard-name 'NEW_DIR/checkpoint_last-model_part-0-shard{i}.pt') and "
-                           "restore NEW_DIR/checkpoint_last.pt")
+                           "(STEM-model_part-J-shardI.pt), which restoring reads back; rename them so, or reshard them "
+                           "into such names (reshard_fsdp --output-shard-name "
+                           "'NEW_DIR/checkpoint_last-model_part-0-shard{i}.pt') and restore NEW_DIR/checkpoint_last.pt")
     if is_glob(restore_file):  # it was read as a stem: "no shard files match DIR/*-shard[*]-model_part-0-shard*.pt"
         example = checkpoint_prefix(matches[0]) + ".pt" if matches else "DIR/checkpoint_last.pt"
         raise RestoreError(f"--restore-file {restore_file} is a glob; name the save instead, e.g. --restore-file "

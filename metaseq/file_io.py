@@ -274,6 +274,7 @@ def atomic_link(src: str | os.PathLike, path: str | os.PathLike) -> None:
     """Replace `path` by the file `src` atomically: a hard link to it (no data written, so a full disk cannot stop
     it), renamed over `path`; a copy through `atomic_output` where the file system has no hard links."""
     path = Path(path)
+    remove_stale_temp_files(path)
     tmp = path.parent / f".{_temp_stem(path.name)}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
     try:
         os.link(src, tmp)

@@ -65,8 +65,11 @@ def _first_failure(context: mp.ProcessContext) -> mp.ProcessRaisedException | No
     if not written:
         return None
     _, index = min(written)
-    with open(context.error_files[index], "rb") as f:
-        trace = pickle.load(f)  # written by torch's wrapper of this rank
+    try:
+        with open(context.error_files[index], "rb") as f:
+            trace = pickle.load(f)  # written by torch's wrapper of this rank
+    except (OSError, EOFError, pickle.UnpicklingError):  # cut short: torch's own report stands
+        return None
     return mp.ProcessRaisedException(f"\n\n-- Process {index} terminated with the following error:\n{trace}", index,
                                      context.processes[index].pid)
 
