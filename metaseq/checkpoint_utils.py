@@ -13,6 +13,7 @@ import contextlib
 import errno
 import glob
 import logging
+import math
 import os
 import re
 from argparse import Namespace
@@ -42,7 +43,7 @@ __all__ = [
     "read_restore_files",
     "remove_replaced_shards",
     "save_training_checkpoint",
-    "saved_counts",
+    "saved_progress",
 ]
 
 logger = logging.getLogger(__name__)
@@ -157,15 +158,16 @@ def find_restore_files(restore_file: str, world_size: int, model_parallel_size: 
     if hint := folder_hint(restore_file):
         raise RestoreError(f"--restore-file {restore_file}{hint}")
     matches = glob_files(restore_file) if is_glob(restore_file) else [restore_file]
-    if matches and os.path.isfile(matches[0]) and not _PART_SHARD.search(matches[0]):
-        raise RestoreError(f"--restore-file {restore_file}: {matches[0]} is not named as training names its shards "
+    shards = [m for m in matches if re.search(r"shard\d+\.pt$", m) or len(matches) > 1 and not _PART_FILE.match(m)]
+    if shards and os.path.isfile(shards[0]) and not _PART_SHARD.search(shards[0]):
+        raise RestoreError(f"--restore-file {restore_file}: {shards[0]} is not named as training names its shards "
                            "(STEM-model_part-J-shardI.pt), which restoring reads back; rename them so, or reshard them "
                            "into such names (reshard_fsdp --output-shard-name "
                            "'NEW_DIR/checkpoint_last-model_part-0-shard{i}.pt') and restore NEW_DIR/checkpoint_last.pt")
     if is_glob(restore_file):  # it was read as a stem: "no shard files match DIR/*-shard[*]-model_part-0-shard*.pt"
         example = checkpoint_prefix(matches[0]) + ".pt" if matches else "DIR/checkpoint_last.pt"
         raise RestoreError(f"--restore-file {restore_file} is a glob; name the save instead, e.g. --restore-file "
-                           f"{example} (every part's shard files are found from it)")
+                           f"{example} (every part's files are found from it)")
     if _PART_FILE.match(restore_file):  # `STEM-model_part-J.pt`, as a consolidated part is named
         raise RestoreError(f"--restore-file {restore_file}: no such file")
     prefix = checkpoint_prefix(restore_file)
@@ -248,13 +250,15 @@ def read_restore_files(restore_file: str, world_size: int, model_parallel_size: 
     if elements and (dtype := elements.most_common(1)[0][0]) != "torch.float32":
         logger.warning("--restore-file %s: the weights are %s; training runs in float32, so they are loaded and "
                        "saved as float32 (reshard_fsdp --output-dtype casts a save back)", restore_file, dtype)
-    updates, _ = saved_counts(structures[0])
-    positions = [saved_counts(s)[1] for s in structures]
-    for what, value in (("optimizer_history[-1]['num_updates']", updates),
-                        ("extra_state['train_iterator']['samples_seen']", positions[0])):
-        if value is not None and (type(value) is not int or value < 0):
+    updates, _, time = saved_progress(structures[0])
+    positions = [saved_progress(s)[1] for s in structures]
+    for what, value, kinds in (("optimizer_history[-1]['num_updates']", updates, (int,)),
+                               ("extra_state['train_iterator']['samples_seen']", positions[0], (int,)),
+                               ("extra_state['previous_training_time']", time, (int, float))):
+        if value is not None and (type(value) not in kinds or not 0 <= value < math.inf):
             raise RestoreError(f"--restore-file {restore_file}: {unique[0]}'s {what} is {short_repr(value, 40)}, "
-                               "not a count; restore files training wrote")
+                               f"not {'a count' if kinds == (int,) else 'a number of seconds'}; restore files "
+                               "training wrote")
     if len(set(positions)) > 1:  # each rank would take its own: the data-parallel ranks' batches would not fit
         odd = next(i for i, p in enumerate(positions) if p != positions[0])
         raise RestoreError(f"--restore-file {restore_file}: {unique[odd]} is at sample {positions[odd]} of the data "
@@ -263,14 +267,15 @@ def read_restore_files(restore_file: str, world_size: int, model_parallel_size: 
     return Restored(updates or 0, cfg, model, shapes, positions[0])
 
 
-def saved_counts(ckpt: Mapping[str, Any]) -> tuple[Any, Any]:
-    """(num_updates, samples_seen) as a training checkpoint holds them (`optimizer_history`, `extra_state`'s
-    `train_iterator`); None where absent."""
+def saved_progress(ckpt: Mapping[str, Any]) -> tuple[Any, Any, Any]:
+    """(num_updates, samples_seen, previous_training_time) as a training checkpoint holds them (`optimizer_history`,
+    `extra_state` and its `train_iterator`); None where absent."""
     history = ckpt.get("optimizer_history")
     last = history[-1] if isinstance(history, list) and history and isinstance(history[-1], Mapping) else {}
-    extra = ckpt.get("extra_state")
-    position = extra.get("train_iterator") if isinstance(extra, Mapping) else None
-    return last.get("num_updates"), position.get("samples_seen") if isinstance(position, Mapping) else None
+    extra = ckpt.get("extra_state") if isinstance(ckpt.get("extra_state"), Mapping) else {}
+    position = extra.get("train_iterator")
+    samples = position.get("samples_seen") if isinstance(position, Mapping) else None
+    return last.get("num_updates"), samples, extra.get("previous_training_time")
 
 
 def _missing_shards(files: list[str]) -> str:

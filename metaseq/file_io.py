@@ -278,9 +278,7 @@ def atomic_link(src: str | os.PathLike, path: str | os.PathLike) -> None:
     tmp = path.parent / f".{_temp_stem(path.name)}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
     try:
         os.link(src, tmp)
-    except OSError as e:
-        if e.errno not in (errno.EPERM, errno.EXDEV, errno.EOPNOTSUPP, errno.EMLINK):
-            raise
+    except OSError:  # no hard links here (EPERM, EXDEV, ENOSYS, ...): a copy, which says what else is wrong
         with open(src, "rb") as f, atomic_output(path) as out:
             shutil.copyfileobj(f, out, 16 << 20)
         return

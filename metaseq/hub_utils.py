@@ -86,8 +86,8 @@ class GenerationConfig:
     def validate(self) -> None:
         """Raise ValueError naming the flag to change."""
         for f in fields(self):  # the annotated types (an int is a float too)
-            value, kinds = getattr(self, f.name), {"int": (int,), "float": (int, float), "bool": (bool,)}[f.type]
-            if type(value) not in kinds:
+            value, kinds = getattr(self, f.name), {"int": int, "float": (int, float), "bool": bool}[f.type]
+            if not isinstance(value, kinds) or type(value) is bool and f.type != "bool":
                 wanted = {"int": "an integer", "float": "a number", "bool": "True or False"}[f.type]
                 raise ValueError(f"--{f.name.replace('_', '-')}={value!r}: must be {wanted}")
         if self.max_new_tokens < 1:
@@ -396,7 +396,10 @@ class GeneratorInterface:
         """One completion per prompt (the text after the prompt, stop token excluded)."""
         cfg = cfg or GenerationConfig()
         cfg.validate()
-        if isinstance(prompts, str) or not all(isinstance(p, str) for p in prompts):
+        if isinstance(prompts, str):
+            raise ValueError("generate takes a list of prompt strings, e.g. generate([prompt]), not one string")
+        prompts = list(prompts)  # any iterable, read once
+        if not all(isinstance(p, str) for p in prompts):
             raise ValueError("generate takes a list of prompt strings, e.g. generate([prompt])")
         tok = self.tokenizer
         ids = generate_ids(self.model, [tok.encode(p) for p in prompts], cfg, newline_ids=tok.newline_ids)

@@ -191,6 +191,7 @@ def test_batched_prompts_decode_like_single_prompts(resharded):
     assert gen.generate(PROMPTS, cfg) == [gen.generate([p], cfg)[0] for p in PROMPTS]
     with pytest.raises(ValueError, match="generate takes a list of prompt strings"):
         gen.generate(PROMPTS[0], cfg)  # a string: one answer per character
+    assert gen.generate(iter(PROMPTS), cfg) == gen.generate(PROMPTS, cfg)
 
 
 def test_sampling_is_reproducible_per_seed_and_tiny_top_p_is_greedy(resharded):

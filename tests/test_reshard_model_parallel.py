@@ -481,5 +481,10 @@ def test_compare_checkpoints_of_one_model_part_says_so(mp_runs, tmp_path, capsys
     assert compare([part0, str(tmp_path / "p0" / "s*.pt")]) == 0
     out = capsys.readouterr().out
     assert "A: model part 0 of 2: 2 flat shards" in out and "B: model part 0 of 2: 3 flat shards" in out, out
-    assert "note: A and B each hold one model part: the other parts are not compared" in out
+    assert "note: A and B each hold one model part: the other parts are not compared; give every part's" in out
     assert out.strip().endswith("SAME: the checkpoints hold the same model part and optimizer state"), out
+    part1 = str(save_dir / "checkpoint_last-model_part-1-shard*.pt")  # named without its part: its cfg's rank says
+    assert reshard_fsdp(["--input", part1, "--output", str(tmp_path / "p1" / "s{i}.pt"), "--quiet"]) == 0
+    assert compare([part1, str(tmp_path / "p1" / "s0.pt"), "--quiet"]) == 0
+    assert compare([part0, str(tmp_path / "p1" / "s0.pt")]) == 1
+    assert "B: model part 1 of 2: 1 flat shard" in capsys.readouterr().out

@@ -138,7 +138,7 @@ def test_restore_file_that_is_a_folder_names_the_checkpoints_in_it(trained):
     with pytest.raises(RestoreError) as error:
         find_restore_files(pattern, 2)
     assert str(error.value) == (f"--restore-file {pattern} is a glob; name the save instead, e.g. --restore-file "
-                                f"{save_dir}/checkpoint_last.pt (every part's shard files are found from it)")
+                                f"{save_dir}/checkpoint_last.pt (every part's files are found from it)")
 
 
 @pytest.mark.parametrize("given, words", [
@@ -146,14 +146,15 @@ def test_restore_file_that_is_a_folder_names_the_checkpoints_in_it(trained):
                   "restoring reads back; rename them so, or reshard them into such names"),
     ("out/s-shard1.pt", "out/s-shard1.pt is not named as training names its shards"),
     ("out/checkpoint_last-model_part-0.pt", "no such file"),
+    ("out/cons-model_part-*.pt", "is a glob; name the save instead, e.g. --restore-file out/cons-model_part-0.pt"),
 ])
 def test_restore_file_of_shards_not_named_as_training_names_them(tmp_path, monkeypatch, given, words):
     """reshard_fsdp and convert_from_hf write any name with '{i}'; training finds a save's shards by its own names."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "out").mkdir()
-    for name in ("s0.pt", "s1.pt", "s-shard1.pt"):
+    for name in ("s0.pt", "s1.pt", "s-shard1.pt", "cons-model_part-0.pt", "cons-model_part-1.pt"):
         (tmp_path / "out" / name).write_bytes(b"")
-    with pytest.raises(RestoreError, match=re.escape(f"--restore-file {given}: {words}")):
+    with pytest.raises(RestoreError, match=re.escape(f"--restore-file {given}{' ' if 'glob' in words else ': '}{words}")):
         find_restore_files(given, 2)
 
 
@@ -313,12 +314,17 @@ def _not_a_training_checkpoint(trained, tmp_path) -> str:
         (_consolidated_optimizer_without_id_map, [], "restore a copy without it: reshard_fsdp --skip-optimizer-state "
                                                      "True"),
         (_saved(lambda c: c["cfg"]["common"].update(seed="1")), [], "--restore-file {R}: its cfg['common']['seed'] "
-                                                                    "must be a number, got '1'; pass --seed"),
+                                                                    "must be an integer, got '1'; pass --seed"),
         (_saved(lambda c: c["cfg"]["optimization"].update(batch_size=0)), [], "its cfg['optimization']['batch_size'] "
                                                                               "must be at least 1, got 0"),
+        (_saved(lambda c: c["cfg"]["common"].update(seed=-5)), [], "its cfg['common']['seed'] must be at least 0"),
+        (_saved(lambda c: c["cfg"]["task"].update(seq_len=1000)), [], "its cfg['task']['seq_len'] must be at most the "
+                                                                      "model's max_target_positions=67, got 1000"),
         (_saved(lambda c: c["optimizer_history"][-1].update(num_updates="6")), [], "shard0.pt's optimizer_history[-1]"
                                                                                    "['num_updates'] is '6', not a count"),
         (_saved(lambda c: c["extra_state"]["train_iterator"].update(samples_seen=-8)), [], "is -8, not a count"),
+        (_saved(lambda c: c["extra_state"].update(previous_training_time="1")), [], "shard0.pt's extra_state["
+         "'previous_training_time'] is '1', not a number of seconds"),
         (_saved(lambda c: c.pop("shard_metadata")), [], "no 'shard_metadata'; it has flat_param_* keys but was saved "
          "without FSDP's local_metadata_dict(); training restores what it or the reshard tools wrote"),
     ],

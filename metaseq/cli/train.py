@@ -22,6 +22,7 @@ import builtins
 import dataclasses
 import json
 import logging
+import math
 import os
 import re
 import signal
@@ -91,7 +92,7 @@ class TrainState:
 # TrainConfig field -> where the checkpoint's cfg holds it (`checkpoint_cfg`). A restored model's sizes come from
 # its files.
 MAX_SEED = 2**46 - 1  # seed * 100003 + epoch must fit torch's 64-bit seed
-RESTORED = {"seed": ("common", "seed", int), "lr": ("optimization", "lr", non_negative_float),
+RESTORED = {"seed": ("common", "seed", non_negative_int), "lr": ("optimization", "lr", non_negative_float),
             "batch_size": ("optimization", "batch_size", positive_int), "seq_len": ("task", "seq_len", positive_int)}
 MODEL_FLAGS = ("decoder_layers", "decoder_embed_dim", "decoder_attention_heads", "decoder_ffn_embed_dim",
                "max_target_positions", "fused_qkv")
@@ -182,10 +183,16 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         value = value[0] if isinstance(value, list) and value else value  # lr: one per param group
         if value is None or name in values:
             continue
+        limit, what = {"seed": (MAX_SEED, ""), "seq_len": (model.max_target_positions, "max_target_positions=")}.get(
+            name, (math.inf, ""))
         try:  # checked as the flag is
             if type(value) not in ((int, float) if check is non_negative_float else (int,)):
-                raise argparse.ArgumentTypeError(f"must be a number, got {short_repr(value, 40)}")
+                wanted = "a number" if check is non_negative_float else "an integer"
+                raise argparse.ArgumentTypeError(f"must be {wanted}, got {short_repr(value, 40)}")
             values[name] = check(str(value))
+            if values[name] > limit:
+                raise argparse.ArgumentTypeError(f"must be at most the model's {what}{limit}, got {value}" if what
+                                                 else f"must be at most {limit}, got {value}")
         except argparse.ArgumentTypeError as e:
             raise ValueError(f"--restore-file {args.restore_file}: its cfg['{section}']['{key}'] {e}; pass "
                              f"--{name.replace('_', '-')} to give another") from None
@@ -287,9 +294,8 @@ def restore(cfg: TrainConfig, rank: int) -> dict[str, Any] | None:
 def load_restored_state(model: Any, optimizer: torch.optim.Optimizer, ckpt: dict[str, Any]) -> TrainState:
     """Load shards (flat, this rank's) or a consolidated checkpoint of this rank's part (unflattened, any D)."""
     checkpoint_utils.load_training_state(model, optimizer, ckpt)
-    updates, samples = checkpoint_utils.saved_counts(ckpt)  # checked before the ranks started
-    return TrainState(num_updates=updates or 0, samples_seen=samples or 0,
-                      training_time=(ckpt.get("extra_state") or {}).get("previous_training_time", 0.0))
+    updates, samples, time = checkpoint_utils.saved_progress(ckpt)  # checked before the ranks started
+    return TrainState(num_updates=updates or 0, samples_seen=samples or 0, training_time=time or 0.0)
 
 
 def train_step(model: Any, optimizer: torch.optim.Optimizer, batch: torch.Tensor, layout: RankLayout,

@@ -68,10 +68,13 @@ def open_tensor_set(paths: Sequence[str], *, trust: bool = False, skip_optimizer
         return _plain_tensor_set(inputs[0], skip_optimizer_state)
     options = ReshardOptions(skip_optimizer_state=skip_optimizer_state)
     found = tensor_set_from_source(analyze_inputs([i.structure for i in inputs], list(paths), options), inputs)
-    parts = cfg_value(first.get("cfg"), "common", "model_parallel_size")
-    form = f"model part {model_part_number(paths[0]) or 0} of {parts}: {found.form}" if type(parts) is int and \
-        parts > 1 else found.form  # one part alone holds a slice of each cut weight
-    return replace(found, form=form, model={**found.model, **_differing_buffers(found)})
+    parts, rank = (cfg_value(first.get("cfg"), *key) for key in (("common", "model_parallel_size"),
+                                                                 ("distributed_training", "distributed_rank")))
+    if type(parts) is int and parts > 1:  # one part alone holds a slice of each cut weight
+        part = model_part_number(paths[0])  # else shard i of part j is rank i * parts + j
+        part = rank % parts if part is None and type(rank) is int else part
+        found = replace(found, form=f"model part {'?' if part is None else part} of {parts}: {found.form}")
+    return replace(found, model={**found.model, **_differing_buffers(found)})
 
 
 def _differing_buffers(found: TensorSet) -> dict[str, OutTensor]:
@@ -365,7 +368,7 @@ def describe_comparison(comparison: Comparison, a: TensorSet, b: TensorSet) -> l
     if parts:
         held = "A and B each hold" if len(parts) == 2 else f"{parts[0]} holds"
         lines.append(f"note: {held} one model part: the other parts are not compared; give every part's files "
-                     "('...-model_part-*-shard*.pt') to compare whole models")
+                     "(a glob over 'model_part-*') to compare whole models")
     lines += [f"note: {note}" for note in comparison.notes]
     lines += [f"differs: {d.name}: {d.detail}" for d in comparison.differences]
     same = ("SAME: the checkpoints hold the same model" + " part" * bool(parts)

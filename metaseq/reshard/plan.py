@@ -366,7 +366,7 @@ def check_rank_order(structures: Sequence[Mapping[str, Any]], labels: Sequence[s
     of part j saved by rank i * parts + j (fairscale's model-parallel layout)."""
     ranks = [cfg_value(s.get("cfg"), "distributed_training", "distributed_rank") for s in structures]
     if len(set(ranks)) == 1 or not all(type(r) is int for r in ranks):
-        return _check_not_copies(structures, labels)
+        return _check_not_copies(structures, labels) if len(ranks) > 1 else None
     first = {}
     for rank, label in zip(ranks, labels):
         if first.setdefault(rank, label) != label:

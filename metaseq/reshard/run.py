@@ -30,7 +30,8 @@ __all__ = ["reshard", "reshard_fsdp_checkpoints", "reshard_shards"]
 
 logger = logging.getLogger(__name__)
 
-_IN_MEMORY = ("num_output_shards", "unflatten_weights", "skip_optimizer_state", "output_dtype", "drop_metaseq_req")
+_IN_MEMORY = ("num_output_shards", "unflatten_weights", "skip_optimizer_state", "output_dtype", "drop_metaseq_req",
+              "quiet")
 
 
 def reshard(options: ReshardOptions, *, world: World | None = None) -> list[Plan]:
