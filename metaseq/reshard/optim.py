@@ -11,6 +11,7 @@ layout that `FSDP.get_shard_from_optim_state_dict` loads at any world size.
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
@@ -57,11 +58,10 @@ class StateEntry:
     values: tuple[Any, ...] = ()  # scalar state: one value per input rank
     gathered: bool = False  # values came as fairscale's per-rank list of 0-dim tensors
 
-    @property
+    @functools.cached_property  # asked once per output
     def per_rank(self) -> bool:
         """Tensor values that differ between ranks (e.g. the scales of --fp16-adam-stats moments)."""
-        found = {v.value() for v in self.values if is_tensor(v)}  # scalar state: only 0-dim tensors
-        return self.name != "step" and len(found) > 1
+        return self.name != "step" and len({v.value() for v in self.values if is_tensor(v)}) > 1  # 0-dim tensors
 
     def flat_value(self, rank: int) -> Any:
         """Scalar for one rank of a flat output: rank 0's, or, per rank, that rank's (like fairscale)."""

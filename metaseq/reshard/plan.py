@@ -20,7 +20,7 @@ import glob
 import logging
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence
 
 from metaseq.errors import ReshardError, UserError
@@ -79,6 +79,7 @@ class Plan:
     inputs: tuple[InputFile, ...]  # ordered by shard index
     source: Source
     outputs: tuple[OutFile, ...]
+    rank_zero_only: tuple[str, ...] = ()  # train_iterator keys only input 0 holds (see `_rank_zero_only`)
 
 
 def plan_reshard(options: ReshardOptions) -> list[Plan]:
@@ -304,6 +305,7 @@ def _checked(plan: Plan) -> Plan:
             raise ReshardError(f"{plan.inputs[index].path}: {'.'.join(map(str, path))} is a view of another "
                                "tensor's storage, not a tensor of its own; such files cannot be resharded: load "
                                "it with torch, make that tensor `.contiguous()`, save it again")
+    plan = replace(plan, rank_zero_only=_rank_zero_only(plan.inputs))
     if plan.outputs:
         assemble_output(plan, plan.outputs[0])
     return plan
@@ -465,8 +467,9 @@ def assemble_output(plan: Plan, out: OutFile) -> dict[str, Any]:
             result[key] = assemble_flat_optimizer(value, source.optim, source.model, tensors, out.rank)
         elif key == "extra_state" and isinstance(value, Mapping):
             result[key] = _assemble_extra_state(source.model, options, value, tensors)
-            if out.rank or out.part:
-                result[key] = _only_on_rank_zero(result[key], plan.inputs)
+            iterator = result[key].get("train_iterator")  # None with --drop-metaseq-req
+            if (out.rank or out.part) and plan.rank_zero_only and isinstance(iterator, Mapping):  # on output 0 alone
+                result[key] = {**result[key], "train_iterator": {**iterator, **dict.fromkeys(plan.rank_zero_only)}}
         elif key == "cfg" and cfg_fields(value) is not None:
             result[key] = _cfg_for_output(value, options, out, plan.inputs[source.model.first].path)
         else:
@@ -505,16 +508,15 @@ def _assemble_extra_state(model: ModelLayout, options: ReshardOptions, extra0: M
     return out
 
 
-def _only_on_rank_zero(extra: dict[str, Any], inputs: Sequence[InputFile]) -> dict[str, Any]:
-    """Data loader state that only input 0 holds (upstream's tokenization cache: None on the other
-    ranks) stays on output 0 alone, rather than being copied into every output."""
-    iterator = extra.get("train_iterator")
-    others = [i.structure.get("extra_state") for i in inputs[1:]]
-    theirs = [o.get("train_iterator") if isinstance(o, Mapping) else None for o in others]
-    if not isinstance(iterator, Mapping) or not theirs or not all(isinstance(t, Mapping) for t in theirs):
-        return extra
-    alone = [k for k, v in iterator.items() if v is not None and all(k in t and t[k] is None for t in theirs)]
-    return {**extra, "train_iterator": {**iterator, **dict.fromkeys(alone)}} if alone else extra
+def _rank_zero_only(inputs: Sequence[InputFile]) -> tuple[str, ...]:
+    """The keys of data loader state that only input 0 holds (upstream's tokenization cache: None on the other
+    ranks): they stay on output 0 alone, rather than being copied into every output."""
+    extras = [i.structure.get("extra_state") for i in inputs]
+    iterators = [e.get("train_iterator") if isinstance(e, Mapping) else None for e in extras]
+    if len(iterators) < 2 or not all(isinstance(t, Mapping) for t in iterators):
+        return ()
+    first, theirs = iterators[0], iterators[1:]
+    return tuple(k for k, v in first.items() if v is not None and all(k in t and t[k] is None for t in theirs))
 
 
 def _cfg_for_output(cfg: Any, options: ReshardOptions, out: OutFile, path0: str) -> Any:

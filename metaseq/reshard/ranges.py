@@ -77,12 +77,26 @@ def shard_range(numel: int, world_size: int, rank: int) -> tuple[int, int, int]:
 def plan_range(spans: Sequence[Span | Tile], start: int, end: int, offset: int = 0) -> tuple[Run, ...]:
     """Runs that copy elements [start, end) of the spans laid end to end, to output elements from `offset`."""
     runs = []
-    for item in SpanIndex(spans).slice(start, end):
+    for item in _index_of(spans).slice(start, end):
         pieces, pitch = (item.spans, item.width) if isinstance(item, Tile) else ((item,), 0)
         for s, at in zip(pieces, itertools.accumulate((s.length for s in pieces), initial=offset)):
             runs.append(Run(s.input, s.path, s.start, at, s.length, s.count, s.stride, pitch))
         offset += item.size
     return tuple(runs)
+
+
+_INDEXES: dict[int, tuple[Sequence, SpanIndex]] = {}  # id(spans) -> (spans, their index)
+
+
+def _index_of(spans: Sequence[Span | Tile]) -> SpanIndex:
+    """The index of a layout's spans, built once: planning slices each parameter's spans once per output (an index
+    per call cost O(inputs x outputs))."""
+    cached = _INDEXES.get(id(spans))
+    if cached is None or cached[0] is not spans:  # kept with its spans, so that the id is not another's
+        if len(_INDEXES) >= 4096:
+            _INDEXES.clear()
+        cached = _INDEXES[id(spans)] = (spans, SpanIndex(spans))
+    return cached[1]
 
 
 def side_by_side(columns: Sequence[Sequence[tuple[int, list[Span]]]]) -> list[Span | Tile]:

@@ -20,7 +20,7 @@ from typing import NamedTuple, Sequence
 
 from metaseq.errors import ReshardError
 from metaseq.file_io import atomic_output, remove_stale_temp_files
-from metaseq.reshard.plan import OutFile, Plan, assemble_output
+from metaseq.reshard.plan import InputFile, OutFile, Plan, assemble_output
 from metaseq.reshard.progress import Progress
 from metaseq.torchzip import signals_held, write_checkpoint
 
@@ -111,12 +111,14 @@ class _Stopped(Exception):
 def _write_one(job: Job, crc32: bool, report: object) -> int:
     """Write one output atomically; returns its size. The inputs must be as planned before and after the copy (else
     the temp file is removed, never renamed into place)."""
-    _check_unchanged(job.plan)
+    first = (job.out.source or job.plan.source).model.first  # whose other values (tensors too) are carried
+    read = [job.plan.inputs[i] for i in sorted({first, *(run.input for t in job.out.tensors for run in t.runs)})]
+    _check_unchanged(read)
     obj = assemble_output(job.plan, job.out)
     try:
         with atomic_output(job.out.path, replace=job.plan.options.overwrite) as f:
             size = write_checkpoint(f.fileno(), obj, crc32=crc32, report=report)
-            _check_unchanged(job.plan)
+            _check_unchanged(read)
             return size
     except OverflowError as e:  # from a cast: torch would have written inf
         raise ReshardError(f"{job.out.path}: --output-dtype: {e}; use --output-dtype bf16 (float32's range) or keep "
@@ -127,8 +129,9 @@ def _write_one(job: Job, crc32: bool, report: object) -> int:
         raise ReshardError(f"{job.out.path}: cannot write ({e.strerror or e})") from e
 
 
-def _check_unchanged(plan: Plan) -> None:
-    for item in [i for i in plan.inputs if i.size >= 0]:  # -1: given in memory
+def _check_unchanged(inputs: Sequence[InputFile]) -> None:
+    """The inputs an output reads must be as planned (what else it holds was read while planning)."""
+    for item in [i for i in inputs if i.size >= 0]:  # -1: given in memory
         stat = os.stat(item.path)
         if (stat.st_size, stat.st_mtime_ns) != (item.size, item.mtime_ns):
             raise ReshardError(f"{item.path} changed while resharding (size or time differ from planning); rerun")
