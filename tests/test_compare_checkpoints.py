@@ -94,6 +94,12 @@ def test_an_optimizer_setting_of_one_rank_only_is_a_difference_and_a_reshard_war
     assert (f"{shard(2)}: last_optimizer_state.param_groups[0]['lr'] differs from {shard(0)}'s (0.0005 vs 0.001)"
             in capsys.readouterr().err)
     assert _compare(capsys, _glob(tmp_path / "changed"), _glob(tmp_path / "changed"))[0] == 0
+    shards[2]["last_optimizer_state"]["param_groups"][0]["lr"] = 1e-3  # as the others
+    for r, scale in enumerate((128.0, 128.0, 64.0, 128.0)):  # a tensor setting: told apart by its value
+        shards[r]["last_optimizer_state"]["loss_scale"] = torch.tensor(scale)
+    write_shards(shards, tmp_path / "scaled")
+    assert reshard_main(["--input", _glob(tmp_path / "scaled"), "--output", str(tmp_path / "s.pt")]) == 0
+    assert f"{tmp_path / 'scaled' / SHARD.format(2)}: last_optimizer_state.loss_scale differs" in capsys.readouterr().err
 
 
 def test_a_buffer_copy_of_one_rank_only_is_a_difference(ckpts: Path, tmp_path: Path, capsys) -> None:

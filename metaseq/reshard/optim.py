@@ -19,8 +19,8 @@ from typing import Any, Callable, Mapping, Sequence
 from metaseq.errors import ReshardError, short_repr
 from metaseq.reshard.layout import ModelLayout, check_flat_dtype, global_params
 from metaseq.reshard.ranges import OutTensor, Span, plan_range
-from metaseq.reshard.schema import OPTIM, clean_key, is_tensor
-from metaseq.torchzip import DType, Size, TensorRef, pickle_bytes
+from metaseq.reshard.schema import OPTIM, clean_key, is_tensor, tensors_in
+from metaseq.torchzip import DType, Size, TensorRef, pickle_bytes, read_at
 
 __all__ = ["OptimLayout", "StateEntry", "analyze_optimizer", "assemble_consolidated_optimizer",
            "assemble_flat_optimizer", "check_per_rank_state", "differing_settings", "optimizer_settings",
@@ -140,14 +140,20 @@ def optimizer_settings(osd: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def differing_settings(first: Mapping[str, Any], other: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
-    """(name, other's value, first's) of each optimizer setting that differs between two ranks' states, by what they
-    pickle to (a tensor setting by its shape, not its values)."""
+    """(name, other's value, first's) of each optimizer setting that differs between two ranks' states: in what they
+    pickle to, or in the bytes of a tensor they hold."""
     ours, theirs = optimizer_settings(first), optimizer_settings(other)
     pairs = [(f"param_groups[{i}]['{k}']", g.get(k), h.get(k)) for i, (g, h) in enumerate(zip(
         ours.pop("param_groups"), theirs.pop("param_groups"))) if isinstance(g, Mapping) and isinstance(h, Mapping)
         for k in {**g, **h}]
     pairs += [(key, ours.get(key), theirs.get(key)) for key in {**ours, **theirs}]
-    return [(name, b, a) for name, a, b in pairs if pickle_bytes(a) != pickle_bytes(b)]
+    return [(name, b, a) for name, a, b in pairs if pickle_bytes(a) != pickle_bytes(b) or any(
+        _bytes_of(x) != _bytes_of(y) for x, y in zip(tensors_in(a), tensors_in(b)))]
+
+
+def _bytes_of(tensor: TensorRef) -> bytes:
+    """The bytes of a (small: a setting's) tensor's storage."""
+    return bytes(read_at(*tensor.storage.locate(0), tensor.storage.nbytes)) if tensor.storage.nbytes else b""
 
 
 def _check_state_order(model_dict: Mapping[str, Any], model: ModelLayout) -> None:
