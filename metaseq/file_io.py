@@ -36,6 +36,7 @@ SAFE_GLOBALS = [argparse.Namespace]
 _UMASK = os.umask(0o022)  # read once, while importing (single-threaded): os.umask can only be read by setting it
 os.umask(_UMASK)
 _PART_RE = re.compile(r"model_part-(\d+)")
+_TEMP_RE = re.compile(r"\.(.+)\.[a-z0-9_]{8}\.tmp", re.DOTALL)  # .STEM.<pid>.<random>.tmp, or without the pid
 _SHARD_RE = re.compile(r"shard(\d+)")
 
 
@@ -244,17 +245,18 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
 
 
 @contextlib.contextmanager
-def atomic_output(path: str | os.PathLike, *, replace: bool = True) -> Iterator[BinaryIO]:
+def atomic_output(path: str | os.PathLike, *, replace: bool = True, clean: bool = True) -> Iterator[BinaryIO]:
     """Write `path` through a temp file: yields the temp file, open for reading and writing.
 
     The temp file is `.NAME.<pid>.<random>.tmp` (never matched by a `*.pt` glob); ones left by killed writers are
-    removed first. On success it is fsync-ed and renamed over `path` (without `replace`, only where no file is:
+    removed first (unless not `clean`: a caller writing many files removes them for all at once). On success it is fsync-ed and renamed over `path` (without `replace`, only where no file is:
     FileExistsError if one appeared), then the folder is fsync-ed; on any error it is removed: `path` holds the
     whole file or is untouched.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)  # Path("name.pt").parent is Path(".")
-    remove_stale_temp_files(path)
+    if clean:
+        remove_stale_temp_files(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{_temp_stem(path.name)}.{os.getpid()}.", suffix=".tmp", dir=path.parent)
     try:
         os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes it 0600; permissions as `open` would give
@@ -334,21 +336,27 @@ class _WriteErrorRecorder:
             raise
 
 
-def remove_stale_temp_files(path: str | os.PathLike) -> None:
-    """Remove the temp files of `path` whose writer died: `.NAME.<pid>.<random>.tmp` whose pid no longer
-    runs on this host, and `.NAME.<random>.tmp` of older versions, which carry no pid."""
-    path = Path(path)
-    stale_re = re.compile(rf"\.{re.escape(_temp_stem(path.name))}\.(?:(\d+)\.)?[a-z0-9_]{{8}}\.tmp")
-    try:
-        names = os.listdir(path.parent)
-    except OSError:
-        return
-    for name in names:
-        match = stale_re.fullmatch(name)
-        if match and not (match.group(1) and _pid_alive(int(match.group(1)))):
+def remove_stale_temp_files(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> None:
+    """Remove the temp files of `paths` (one, or many: each folder is listed once) whose writer died:
+    `.NAME.<pid>.<random>.tmp` whose pid no longer runs on this host, and `.NAME.<random>.tmp` of older versions,
+    which carry no pid."""
+    by_folder: dict[Path, set[str]] = {}
+    for path in [paths] if isinstance(paths, (str, os.PathLike)) else paths:
+        by_folder.setdefault(Path(path).parent, set()).add(_temp_stem(Path(path).name))
+    for folder, stems in by_folder.items():
+        try:
+            names = os.listdir(folder)
+        except OSError:
+            continue
+        for name in names:
+            match = _TEMP_RE.fullmatch(name)
+            stem, _, pid = match.group(1).rpartition(".") if match else ("", "", "")
+            if not match or match.group(1) not in stems and (stem not in stems or not re.fullmatch(r"\d+", pid)
+                                                             or _pid_alive(int(pid))):
+                continue  # not a temp file of `paths` (or of one without a pid), or its writer runs
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(path.parent / name)
-                logger.warning("removed %s, a temporary file left by a killed run", path.parent / name)
+                os.unlink(folder / name)
+                logger.warning("removed %s, a temporary file left by a killed run", folder / name)
 
 
 def _temp_stem(name: str) -> str:

@@ -57,6 +57,7 @@ def write_outputs(jobs: Sequence[Job], *, num_workers: int = 1, progress: Progre
     """
     progress = progress or Progress(sum(j.out.nbytes for j in jobs), len(jobs))
     paths = [j.out.path for j in jobs]
+    remove_stale_temp_files(paths)  # what killed writers left, each folder listed once
     before, foreign = _file_ids(paths), set()  # foreign: outputs another process wrote meanwhile (left alone)
     lock, stopped = threading.Lock(), threading.Event()  # stopped: another job failed, or an interrupt
 
@@ -116,7 +117,7 @@ def _write_one(job: Job, crc32: bool, report: object) -> int:
     _check_unchanged(read)
     obj = assemble_output(job.plan, job.out)
     try:
-        with atomic_output(job.out.path, replace=job.plan.options.overwrite) as f:
+        with atomic_output(job.out.path, replace=job.plan.options.overwrite, clean=False) as f:  # cleaned once
             size = write_checkpoint(f.fileno(), obj, crc32=crc32, report=report)
             _check_unchanged(read)
             return size
@@ -159,9 +160,8 @@ def remove_outputs(written: Sequence[str], planned: Sequence[str] = (), folders:
     for path in written:
         with contextlib.suppress(OSError):
             os.unlink(path)
-    for path in planned:
-        with contextlib.suppress(OSError):
-            remove_stale_temp_files(path)
+    with contextlib.suppress(OSError):
+        remove_stale_temp_files(planned)
     for folder in folders:
         with contextlib.suppress(OSError):
             os.rmdir(folder)
