@@ -249,9 +249,9 @@ def atomic_output(path: str | os.PathLike, *, replace: bool = True, clean: bool 
     """Write `path` through a temp file: yields the temp file, open for reading and writing.
 
     The temp file is `.NAME.<pid>.<random>.tmp` (never matched by a `*.pt` glob); ones left by killed writers are
-    removed first (unless not `clean`: a caller writing many files removes them for all at once). On success it is fsync-ed and renamed over `path` (without `replace`, only where no file is:
-    FileExistsError if one appeared), then the folder is fsync-ed; on any error it is removed: `path` holds the
-    whole file or is untouched.
+    removed first (unless not `clean`: a caller writing many files removes them for all at once). On success it
+    is fsync-ed and renamed over `path` (without `replace`, only where no file is: FileExistsError if one
+    appeared), then the folder is fsync-ed; on any error it is removed: `path` holds the whole file or is untouched.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)  # Path("name.pt").parent is Path(".")

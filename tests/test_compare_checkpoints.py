@@ -99,7 +99,8 @@ def test_an_optimizer_setting_of_one_rank_only_is_a_difference_and_a_reshard_war
         shards[r]["last_optimizer_state"]["loss_scale"] = torch.tensor(scale)
     write_shards(shards, tmp_path / "scaled")
     assert reshard_main(["--input", _glob(tmp_path / "scaled"), "--output", str(tmp_path / "s.pt")]) == 0
-    assert f"{tmp_path / 'scaled' / SHARD.format(2)}: last_optimizer_state.loss_scale differs" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'scaled' / SHARD.format(2)}: last_optimizer_state.loss_scale differs" in err
 
 
 def test_a_buffer_copy_of_one_rank_only_is_a_difference(ckpts: Path, tmp_path: Path, capsys) -> None:

@@ -248,7 +248,8 @@ def test_too_long_prompt_and_bad_flags_are_value_errors():
     for bad, flag in [(dict(top_p=0.0), "--top-p"), (dict(temperature=0.0), "--temperature"),
                       (dict(max_new_tokens=0), "--max-new-tokens"),
                       (dict(max_new_tokens="5"), "--max-new-tokens='5': must be an integer"),
-                      (dict(seed=1.5), "--seed=1.5: must be an integer"), (dict(sampling=1), "--sampling=1: must be True")]:
+                      (dict(seed=1.5), "--seed=1.5: must be an integer"),
+                      (dict(sampling=1), "--sampling=1: must be True")]:
         with pytest.raises(ValueError, match=flag):
             GenerationConfig(**bad).validate()
 

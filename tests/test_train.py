@@ -154,7 +154,8 @@ def test_restore_file_of_shards_not_named_as_training_names_them(tmp_path, monke
     (tmp_path / "out").mkdir()
     for name in ("s0.pt", "s1.pt", "s-shard1.pt", "cons-model_part-0.pt", "cons-model_part-1.pt"):
         (tmp_path / "out" / name).write_bytes(b"")
-    with pytest.raises(RestoreError, match=re.escape(f"--restore-file {given}{' ' if 'glob' in words else ': '}{words}")):
+    joined = " " if "glob" in words else ": "
+    with pytest.raises(RestoreError, match=re.escape(f"--restore-file {given}{joined}{words}")):
         find_restore_files(given, 2)
 
 
@@ -320,8 +321,8 @@ def _not_a_training_checkpoint(trained, tmp_path) -> str:
         (_saved(lambda c: c["cfg"]["common"].update(seed=-5)), [], "its cfg['common']['seed'] must be at least 0"),
         (_saved(lambda c: c["cfg"]["task"].update(seq_len=1000)), [], "its cfg['task']['seq_len'] must be at most the "
                                                                       "model's max_target_positions=67, got 1000"),
-        (_saved(lambda c: c["optimizer_history"][-1].update(num_updates="6")), [], "shard0.pt's optimizer_history[-1]"
-                                                                                   "['num_updates'] is '6', not a count"),
+        (_saved(lambda c: c["optimizer_history"][-1].update(num_updates="6")), [],
+         "shard0.pt's optimizer_history[-1]['num_updates'] is '6', not a count"),
         (_saved(lambda c: c["extra_state"]["train_iterator"].update(samples_seen=-8)), [], "is -8, not a count"),
         (_saved(lambda c: c["extra_state"].update(previous_training_time="1")), [], "shard0.pt's extra_state["
          "'previous_training_time'] is '1', not a number of seconds"),
