@@ -250,8 +250,8 @@ def read_restore_files(restore_file: str, world_size: int, model_parallel_size: 
     if elements and (dtype := elements.most_common(1)[0][0]) != "torch.float32":
         logger.warning("--restore-file %s: the weights are %s; training runs in float32, so they are loaded and "
                        "saved as float32 (reshard_fsdp --output-dtype casts a save back)", restore_file, dtype)
-    updates, _, time = saved_progress(structures[0])
-    positions = [saved_progress(s)[1] for s in structures]
+    progress = [saved_progress(s) for s in structures]
+    (updates, _, time), positions = progress[0], [samples for _, samples, _ in progress]
     for what, value, kinds in (("optimizer_history[-1]['num_updates']", updates, (int,)),
                                ("extra_state['train_iterator']['samples_seen']", positions[0], (int,)),
                                ("extra_state['previous_training_time']", time, (int, float))):

@@ -135,6 +135,12 @@ class Storage:
         """(source, byte offset) of element `element` of a storage read from a file or memory."""
         return self.copies[0].source, self.copies[0].src_offset + element * self.dtype.itemsize
 
+    def read(self, start: int = 0, size: int | None = None) -> bytes:
+        """`size` bytes (default: to the end) from byte `start` of a storage read from a file or memory."""
+        size = self.nbytes - start if size is None else size
+        source, offset = self.locate(0) if size else (b"", 0)
+        return bytes(read_at(source, offset + start, size))
+
 
 @dataclass(eq=False)
 class TensorRef:

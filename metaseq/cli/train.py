@@ -178,21 +178,21 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
                        "upstream metaseq's, or dropped by reshard_fsdp --drop-metaseq-req): training starts the data "
                        "from its beginning, not where update %d left it", args.restore_file, restored.num_updates)
     values = {k: v for k, v in given.items() if k in fields}
+    limits = {"seed": (MAX_SEED, str(MAX_SEED)),
+              "seq_len": (model.max_target_positions, f"the model's max_target_positions={model.max_target_positions}")}
     for name, (section, key, check) in RESTORED.items():
         value = cfg_value(restored.cfg, section, key)
         value = value[0] if isinstance(value, list) and value else value  # lr: one per param group
         if value is None or name in values:
             continue
-        limit, what = {"seed": (MAX_SEED, ""), "seq_len": (model.max_target_positions, "max_target_positions=")}.get(
-            name, (math.inf, ""))
+        limit, most = limits.get(name, (math.inf, ""))
         try:  # checked as the flag is
             if type(value) not in ((int, float) if check is non_negative_float else (int,)):
                 wanted = "a number" if check is non_negative_float else "an integer"
                 raise argparse.ArgumentTypeError(f"must be {wanted}, got {short_repr(value, 40)}")
             values[name] = check(str(value))
             if values[name] > limit:
-                raise argparse.ArgumentTypeError(f"must be at most the model's {what}{limit}, got {value}" if what
-                                                 else f"must be at most {limit}, got {value}")
+                raise argparse.ArgumentTypeError(f"must be at most {most}, got {value}")
         except argparse.ArgumentTypeError as e:
             raise ValueError(f"--restore-file {args.restore_file}: its cfg['{section}']['{key}'] {e}; pass "
                              f"--{name.replace('_', '-')} to give another") from None

@@ -20,7 +20,7 @@ from metaseq.errors import ReshardError, short_repr
 from metaseq.reshard.layout import ModelLayout, check_flat_dtype, global_params
 from metaseq.reshard.ranges import OutTensor, Span, plan_range
 from metaseq.reshard.schema import OPTIM, clean_key, is_tensor, tensors_in
-from metaseq.torchzip import DType, Size, TensorRef, pickle_bytes, read_at
+from metaseq.torchzip import DType, Size, TensorRef, pickle_bytes
 
 __all__ = ["OptimLayout", "StateEntry", "analyze_optimizer", "assemble_consolidated_optimizer",
            "assemble_flat_optimizer", "check_per_rank_state", "differing_settings", "optimizer_settings",
@@ -148,12 +148,7 @@ def differing_settings(first: Mapping[str, Any], other: Mapping[str, Any]) -> li
         for k in {**g, **h}]
     pairs += [(key, ours.get(key), theirs.get(key)) for key in {**ours, **theirs}]
     return [(name, b, a) for name, a, b in pairs if pickle_bytes(a) != pickle_bytes(b) or any(
-        _bytes_of(x) != _bytes_of(y) for x, y in zip(tensors_in(a), tensors_in(b)))]
-
-
-def _bytes_of(tensor: TensorRef) -> bytes:
-    """The bytes of a (small: a setting's) tensor's storage."""
-    return bytes(read_at(*tensor.storage.locate(0), tensor.storage.nbytes)) if tensor.storage.nbytes else b""
+        x.storage.read() != y.storage.read() for x, y in zip(tensors_in(a), tensors_in(b)))]  # small: settings
 
 
 def _check_state_order(model_dict: Mapping[str, Any], model: ModelLayout) -> None:

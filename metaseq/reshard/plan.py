@@ -33,7 +33,7 @@ from metaseq.reshard.model_parallel import check_parts_fit, cut_model_parts, glo
 from metaseq.reshard.options import ReshardOptions
 from metaseq.reshard.ranges import OutTensor, Run, plan_range
 from metaseq.reshard.schema import OPTIM, cfg_fields, cfg_value, is_omegaconf, is_tensor, resolve, tensors_in
-from metaseq.torchzip import (Copy, DType, NeedsTorch, Opaque, Size, Storage, TensorRef, from_torch, read_at,
+from metaseq.torchzip import (Copy, DType, NeedsTorch, Opaque, Size, Storage, TensorRef, from_torch,
                               read_checkpoint)
 
 __all__ = ["InputFile", "OutFile", "Plan", "Source", "analyze_inputs", "assemble_output", "check_output_name",
@@ -389,7 +389,7 @@ def _check_not_copies(structures: Sequence[Mapping[str, Any]], labels: Sequence[
     seen: dict[tuple, list[tuple[str, list[Storage]]]] = {}
     for structure, label in zip(structures, labels):
         storages = list({id(t.storage): t.storage for t in tensors_in(structure) if t.storage.nbytes}.values())
-        key = tuple((s.nbytes, bytes(read_at(*s.locate(0), min(s.nbytes, 4096)))) for s in storages)
+        key = tuple((s.nbytes, s.read(0, min(s.nbytes, 4096))) for s in storages)
         for other, theirs in seen.get(key, []) if storages else ():
             if all(_same_bytes(a, b) for a, b in zip(storages, theirs)):
                 raise ReshardError(f"{label} and {other} hold the same bytes (their cfg does not say which rank saved "
@@ -399,12 +399,8 @@ def _check_not_copies(structures: Sequence[Mapping[str, Any]], labels: Sequence[
 
 def _same_bytes(a: Storage, b: Storage, window: int = 16 << 20) -> bool:
     """Whether two storages of one size hold the same bytes (read a window at a time)."""
-    (source_a, at_a), (source_b, at_b) = a.locate(0), b.locate(0)
-    for start in range(0, a.nbytes, window):
-        size = min(window, a.nbytes - start)
-        if read_at(source_a, at_a + start, size) != read_at(source_b, at_b + start, size):
-            return False
-    return True
+    windows = ((start, min(window, a.nbytes - start)) for start in range(0, a.nbytes, window))
+    return all(a.read(start, size) == b.read(start, size) for start, size in windows)
 
 
 def output_tensors(source: Source, options: ReshardOptions, rank: int) -> list[OutTensor]:
