@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Sequence
 
 from metaseq.errors import ReshardError, short_repr
-from metaseq.reshard.ranges import Span, shard_range
+from metaseq.reshard.ranges import Span, Spans, shard_range
 from metaseq.reshard.schema import ShardMetadata, cfg_value, clean_key, is_tensor, join_key
 from metaseq.torchzip import DType, Size
 
@@ -74,7 +74,7 @@ class ParamDict:
     """A dict that holds the flat parameters: `model`, or a copy laid out like it (EMA, in extra_state)."""
 
     root: tuple[str, ...]  # where it lies: ("model",), ("extra_state", "ema")
-    sources: tuple[tuple[Span, ...], ...]  # [k]: flat parameter k's unpadded elements, in order
+    sources: tuple[Spans, ...]  # [k]: flat parameter k's unpadded elements, in order
     dtypes: tuple[DType, ...]  # [k]
     extras: tuple[Extra, ...]  # its other entries (buffers), from input 0
 
@@ -344,7 +344,7 @@ def _param_dict(layout: ModelLayout, dicts: Sequence[Mapping[str, Any]], maps: S
                 other = first[2] if first[1] == label else f"{first[1]}'s {first[2]}"
                 check_flat_dtype(tensor.dtype, first[0], f"{label}: {where}['{key}']", other, fp.key)
                 spans.append(Span(layout.first + r, (*root, key_map[key]), 0, length))
-        sources.append(tuple(spans))
+        sources.append(Spans(spans))
         # A flat parameter that holds no parameters has no elements: any tensor's dtype.
         tensor = dicts[0][spans[0].path[-1]] if spans else next(v for v in dicts[0].values() if is_tensor(v))
         dtypes.append(tensor.dtype)

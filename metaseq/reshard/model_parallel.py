@@ -17,7 +17,7 @@ from metaseq.errors import ReshardError
 from metaseq.models.partition import Rule, rule_for
 from metaseq.reshard.layout import FlatParam, ModelLayout
 from metaseq.reshard.optim import OptimLayout, StateEntry, scalar_key
-from metaseq.reshard.ranges import Span, SpanIndex, join_spans, side_by_side
+from metaseq.reshard.ranges import Span, Spans, join_spans, side_by_side
 from metaseq.reshard.schema import resolve
 from metaseq.torchzip import DType, Size, read_at
 
@@ -104,21 +104,21 @@ class _Cutter:
                 shape[rule.dim] //= self.num_parts
         return dataclasses.replace(fp, shapes=tuple(map(Size, shapes)))
 
-    def spans(self, k: int, part_spans: Sequence[Sequence[Span]], what: str = "") -> tuple[Span, ...]:
+    def spans(self, k: int, part_spans: Sequence[Spans], what: str = "") -> Spans:
         """Output flat parameter k's elements (or `what`, e.g. "exp_avg of ", its state's): each of its parameters'
         pieces of the input parts, in order."""
-        indexes, out = [SpanIndex(s) for s in part_spans], []
+        out = []
         ranges = zip(*(p.flat_params[k].ranges for p in self.parts))  # per parameter: (start, end) per part
         for name, starts_ends in zip(self.parts[0].flat_params[k].names, ranges):
             rule = rule_for(name)
             if rule is None:
-                copies = [index.slice(start, end) for index, (start, end) in zip(indexes, starts_ends)]
+                copies = [index.slice(start, end) for index, (start, end) in zip(part_spans, starts_ends)]
                 if self.own is None:
                     self._warn_if_parts_differ(what + name, copies)
                 out += copies[self.own or 0]
                 continue
             columns, count, stride = _pieces(self.shapes[name], rule, len(self.parts), self.num_parts, self.part)
-            out += side_by_side([indexes[p].slice_rows(starts_ends[p][0] + offset, length, count, stride)
+            out += side_by_side([part_spans[p].slice_rows(starts_ends[p][0] + offset, length, count, stride)
                                  for p, offset, length in columns])
         return join_spans(out)
 

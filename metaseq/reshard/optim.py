@@ -18,7 +18,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from metaseq.errors import ReshardError, short_repr
 from metaseq.reshard.layout import ModelLayout, check_flat_dtype, global_params
-from metaseq.reshard.ranges import OutTensor, Span, plan_range
+from metaseq.reshard.ranges import OutTensor, Span, Spans, plan_range
 from metaseq.reshard.schema import OPTIM, clean_key, is_tensor, tensors_in
 from metaseq.torchzip import DType, Size, TensorRef, pickle_bytes
 
@@ -53,7 +53,7 @@ class StateEntry:
     """One named state of one flat parameter: a per-element tensor or a scalar."""
 
     name: str
-    segments: tuple[Span, ...] | None = None  # tensor state: unpadded elements, in order
+    segments: Spans | None = None  # tensor state: unpadded elements, in order
     dtype: DType | None = None
     values: tuple[Any, ...] = ()  # scalar state: one value per input rank
     gathered: bool = False  # values came as fairscale's per-rank list of 0-dim tensors
@@ -203,7 +203,7 @@ def _flat_entry(osds: Sequence[Mapping[str, Any]], model: ModelLayout, k: int, n
         check_flat_dtype(value.dtype, values[0].dtype, f"{label}: {OPTIM}.state[{k}]['{name}']", f"{labels[0]}'s",
                          fp.key)
     segments = [Span(model.first + r, (OPTIM, "state", k, name), 0, n) for r, n in enumerate(model.kept_lengths[k])]
-    return StateEntry(name, segments=tuple(segments), dtype=values[0].dtype)
+    return StateEntry(name, segments=Spans(segments), dtype=values[0].dtype)
 
 
 def _consolidated_entries(osds: Sequence[Mapping[str, Any]], model: ModelLayout) -> dict[int, tuple[StateEntry, ...]]:
@@ -267,7 +267,7 @@ def _consolidated_entry(state: Mapping[int, Mapping[str, Any]], model: ModelLayo
         check_flat_dtype(value.dtype, first.dtype, f"{model.labels[0]}: {OPTIM}.state[{g}]['{name}']",
                          f"state[{ids[0]}]'s", fp.key)
     segments = [Span(model.first, (OPTIM, "state", g, name), 0, shape.numel()) for g, shape in zip(ids, fp.shapes)]
-    return StateEntry(name, segments=tuple(segments), dtype=first.dtype)
+    return StateEntry(name, segments=Spans(segments), dtype=first.dtype)
 
 
 def optimizer_targets(optim: OptimLayout, cuts: Sequence[tuple[int, int, str, int, int, Size]]) -> list[OutTensor]:

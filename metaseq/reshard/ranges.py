@@ -11,12 +11,13 @@ weight whose model parts are merged on its second dim). Nothing here does I/O.
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 from typing import Any, NamedTuple, Sequence
 
 from metaseq.torchzip import DType, Size
 
-__all__ = ["OutTensor", "Run", "Span", "SpanIndex", "Tile", "join_spans", "plan_range", "shard_range"]
+__all__ = ["OutTensor", "Run", "Span", "Spans", "Tile", "join_spans", "plan_range", "shard_range"]
 
 
 class Span(NamedTuple):
@@ -75,9 +76,10 @@ def shard_range(numel: int, world_size: int, rank: int) -> tuple[int, int, int]:
 
 
 def plan_range(spans: Sequence[Span | Tile], start: int, end: int, offset: int = 0) -> tuple[Run, ...]:
-    """Runs that copy elements [start, end) of the spans laid end to end, to output elements from `offset`."""
+    """Runs that copy elements [start, end) of the spans laid end to end, to output elements from `offset` (a
+    layout's `Spans` keep their index from one call to the next)."""
     runs = []
-    for item in _index_of(spans).slice(start, end):
+    for item in (spans if isinstance(spans, Spans) else Spans(spans)).slice(start, end):
         pieces, pitch = (item.spans, item.width) if isinstance(item, Tile) else ((item,), 0)
         for s, at in zip(pieces, itertools.accumulate((s.length for s in pieces), initial=offset)):
             runs.append(Run(s.input, s.path, s.start, at, s.length, s.count, s.stride, pitch))
@@ -85,25 +87,11 @@ def plan_range(spans: Sequence[Span | Tile], start: int, end: int, offset: int =
     return tuple(runs)
 
 
-_INDEXES: dict[int, tuple[Sequence, SpanIndex]] = {}  # id(spans) -> (spans, their index)
-
-
-def _index_of(spans: Sequence[Span | Tile]) -> SpanIndex:
-    """The index of a layout's spans, built once: planning slices each parameter's spans once per output (an index
-    per call cost O(inputs x outputs))."""
-    cached = _INDEXES.get(id(spans))
-    if cached is None or cached[0] is not spans:  # kept with its spans, so that the id is not another's
-        if len(_INDEXES) >= 4096:
-            _INDEXES.clear()
-        cached = _INDEXES[id(spans)] = (spans, SpanIndex(spans))
-    return cached[1]
-
-
 def side_by_side(columns: Sequence[Sequence[tuple[int, list[Span]]]]) -> list[Span | Tile]:
     """Rows whose pieces lie in several places, row after row, each row its pieces in order. `columns[k]` holds
-    every row's k-th piece as `SpanIndex.slice_rows` groups them; rows where each column repeats become one tile,
+    every row's k-th piece as `Spans.slice_rows` groups them; rows where each column repeats become one tile,
     a row that crosses an input's span boundary in some column becomes plain spans."""
-    indexes = [SpanIndex([s for _, spans in column for s in spans]) for column in columns]
+    indexes = [Spans(s for _, spans in column for s in spans) for column in columns]
     num_rows = sum(rows for rows, _ in columns[0]) or 1  # (0 rows: nothing to slice)
     widths = [index.starts[-1] // num_rows for index in indexes]
     ends = sorted({end for column in columns for end in itertools.accumulate(rows for rows, _ in column)})
@@ -114,22 +102,23 @@ def side_by_side(columns: Sequence[Sequence[tuple[int, list[Span]]]]) -> list[Sp
     return out
 
 
-class SpanIndex:
-    """Spans laid end to end, sliced many times (a model-parallel cut slices them row by row)."""
+class Spans(tuple):
+    """Spans (and tiles) laid end to end: a flat parameter's or a state's elements. Sliced many times (once per
+    output, and row by row by a model-parallel cut), so their start offsets are computed once."""
 
-    def __init__(self, spans: Sequence[Span | Tile]) -> None:
-        self.spans = list(spans)
-        self.starts = list(itertools.accumulate((s.size for s in self.spans), initial=0))
+    @functools.cached_property
+    def starts(self) -> list[int]:
+        return list(itertools.accumulate((s.size for s in self), initial=0))
 
     def slice(self, start: int, end: int) -> list[Span | Tile]:
         """The spans (and tiles) of elements [start, end)."""
         assert start >= end or self.starts[-1] >= end, f"[{start}, {end}) beyond the {self.starts[-1]} elements"
         out: list[Span | Tile] = []
         first = bisect.bisect_right(self.starts, start) - 1
-        for i in range(first, bisect.bisect_left(self.starts, end, hi=len(self.spans))):
+        for i in range(first, bisect.bisect_left(self.starts, end, hi=len(self))):
             lo, hi = max(start, self.starts[i]), min(end, self.starts[i + 1])
             if lo < hi:
-                out += _cut(self.spans[i], lo - self.starts[i], hi - self.starts[i])
+                out += _cut(self[i], lo - self.starts[i], hi - self.starts[i])
         return out
 
     def slice_rows(self, start: int, length: int, count: int, stride: int) -> list[tuple[int, list[Span]]]:
@@ -139,7 +128,7 @@ class SpanIndex:
         while row < count:
             first = start + row * stride
             i = bisect.bisect_right(self.starts, first) - 1
-            span, top = self.spans[i], self.starts[i + 1]
+            span, top = self[i], self.starts[i + 1]
             if span.count == 1 and first + length <= top:
                 rows = count - row if stride == 0 else min(count - row, (top - first - length) // stride + 1)
                 out.append((rows, [Span(span.input, span.path, span.start + first - self.starts[i], length, rows,
@@ -175,7 +164,7 @@ def _rows(spans: Sequence[Span], row: int, count: int, a: int, b: int) -> list[S
     return [Tile(tuple(pieces))] if count > 1 and len(pieces) > 1 else pieces
 
 
-def join_spans(spans: Sequence[Span | Tile]) -> tuple[Span | Tile, ...]:
+def join_spans(spans: Sequence[Span | Tile]) -> Spans:
     """The same elements with neighbours that continue each other in one input tensor merged."""
     out: list[Span | Tile] = []
     for span in spans:
@@ -185,7 +174,7 @@ def join_spans(spans: Sequence[Span | Tile]) -> tuple[Span | Tile, ...]:
             out[-1] = last._replace(length=last.length + span.length)
         elif span.size:
             out.append(span)
-    return tuple(out)
+    return Spans(out)
 
 
 class OutTensor(NamedTuple):
