@@ -57,12 +57,27 @@ class ThreeLayers(torch.nn.Module):
         return self.post(torch.tanh(self.blk(torch.tanh(self.pre(x))))).pow(2).sum()
 
 
+class TiedLayers(ThreeLayers):
+    """ThreeLayers with a `twin` of `pre` that shares its weight (its own bias)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.twin = torch.nn.Linear(5, 7)
+        self.twin.weight = self.pre.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.post(torch.tanh(self.blk(torch.tanh(self.pre(x) + self.twin(x))))).pow(2).sum()
+
+
 def wrap_other_ways(kind: str):
-    """"noflat": one FSDP instance with flatten_parameters=False (every parameter sharded on its own); "mixed": such a
-    root around `blk` in an instance of its own with flat parameters, so the root's parameters lie around it."""
+    """"noflat": one FSDP instance with flatten_parameters=False (every parameter sharded on its own); "tied": the
+    same with two weights tied (FSDP's local_state_dict holds the tied one under both names, its shard_metadata
+    once); "mixed": such a root around `blk` in an instance of its own with flat parameters, so the root's
+    parameters lie around it."""
     from fairscale.nn import FullyShardedDataParallel as FSDP
 
-    model, kwargs = ThreeLayers(), dict(compute_device=torch.device("cpu"), bucket_cap_mb=0)
+    model, kwargs = TiedLayers() if kind == "tied" else ThreeLayers(), dict(compute_device=torch.device("cpu"),
+                                                                            bucket_cap_mb=0)
     if kind == "mixed":
         model.blk = FSDP(model.blk, flatten_parameters=True, **kwargs)
     return FSDP(model, flatten_parameters=False, **kwargs)

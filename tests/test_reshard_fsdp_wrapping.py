@@ -13,7 +13,7 @@ SHARD = "ckpt-model_part-0-shard{i}.pt"
 def saved(tmp_path_factory):
     """kind -> (folder of its 2 shards, the full state dict FSDP gives)."""
     out = {}
-    for kind in ("noflat", "mixed"):
+    for kind in ("noflat", "tied", "mixed"):
         folder = tmp_path_factory.mktemp(kind)
         run_on_ranks(train_other_way, 2, kind, str(folder / SHARD), str(folder / "full.pt"))
         out[kind] = folder, torch.load(folder / "full.pt", weights_only=True)
@@ -47,6 +47,29 @@ def test_parameters_sharded_one_by_one_reshard_both_ways(saved, tmp_path, capsys
             assert torch.equal(after["last_optimizer_state"]["state"][k]["exp_avg"], state["exp_avg"])
     assert _reshard(capsys, folder, tmp_path / "one.pt", "--unflatten-weights") == (0, "")
     _assert_equal(load_checkpoint(tmp_path / "one.pt")["model"], full)
+
+
+def test_a_tie_in_parameters_sharded_one_by_one_stays_a_tie(saved, tmp_path, capsys):
+    """flatten_parameters=False with a tied weight: FSDP's local_state_dict holds the shard under both names, which
+    shard_metadata lists once. Resharded 2 -> 3 it loads at 3 ranks with the tie; consolidated, the tied weight is
+    the whole weight, one storage with its source, and back to 2 shards gives the input tensors again."""
+    folder, full = saved["tied"]
+    assert torch.equal(full["twin.weight"], full["pre.weight"]) and full["twin.weight"].shape == (7, 5)
+    assert _reshard(capsys, folder, tmp_path / "three" / SHARD, "--num-output-shards", "3") == (0, "")
+    assert _one_storage(load_checkpoint(tmp_path / "three" / SHARD.format(i=1))["model"], "twin.weight", "pre.weight")
+    run_on_ranks(load_other_way, 3, "tied", str(tmp_path / "three" / SHARD), str(tmp_path / "full3.pt"))
+    _assert_equal(torch.load(tmp_path / "full3.pt", weights_only=True), full)
+    one = tmp_path / "one" / SHARD.format(i=0)
+    assert _reshard(capsys, folder, one, "--unflatten-weights", "--verify") == (0, "")
+    _assert_equal(load_checkpoint(one)["model"], full)
+    assert _one_storage(load_checkpoint(one)["model"], "twin.weight", "pre.weight")
+    assert _reshard(capsys, one.parent, tmp_path / "two" / SHARD, "--num-output-shards", "2", "--verify") == (0, "")
+    for i in range(2):
+        _assert_equal(*(load_checkpoint(d / SHARD.format(i=i))["model"] for d in (tmp_path / "two", folder)))
+
+
+def _one_storage(model, *keys) -> bool:
+    return len({model[key].untyped_storage().data_ptr() for key in keys}) == 1
 
 
 def test_one_flat_shard_of_parameters_fsdp_keeps_whole_is_refused(saved, tmp_path, capsys):

@@ -130,6 +130,7 @@ def analyze_model(shards: Sequence[Mapping[str, Any]], labels: Sequence[str], fi
     except ReshardError as e:
         hint = missing_shards_hint(shards)  # instead of the question, where the files say
         raise ReshardError(str(e).removesuffix(f"; {_COMPLETE}") + hint if hint else str(e)) from None
+    ties += _aliases(models, key_maps, flat_params, forms[0], ties)
     layout = ModelLayout(tuple(labels), forms[0], flat_params, padded, kept, ties, metas[0], first)
     dicts = [_param_dict(layout, models, key_maps, ("model",))]
     for name in MIRRORS:  # checked on every input to hold the flat parameters as `model` does
@@ -220,6 +221,28 @@ def _parse_ties(meta: ShardMetadata, flat_params: Sequence[FlatParam], label: st
                                    "parameter holds")
             ties.append((src_full, dst_full))
     return tuple(ties)
+
+
+def _aliases(models: Sequence[Mapping[str, Any]], key_maps: Sequence[Mapping[str, str]],
+             flat_params: Sequence[FlatParam], unflattened: bool, ties: Sequence[tuple[str, str]]) -> tuple:
+    """(src, dst) of each other model entry that views a parameter's tensor (one storage, offset, shape, stride) on
+    every input: a parameter tied in an instance with flatten_parameters=False, which FSDP's local_state_dict holds
+    under both names and shard_metadata lists once (with no shared_param_info), or such a tie consolidated."""
+    params = [n for fp in flat_params for n in fp.names] if unflattened else [
+        fp.key for fp in flat_params if not fp.flattened]
+    taken = {*params, *(fp.key for fp in flat_params), *(dst for _, dst in ties)}
+    views = [{_view(model[key_map[name]]): name for name in reversed(params)} for model, key_map in zip(models, key_maps)]
+    found = []
+    for key in (key for key in key_maps[0] if key not in taken):
+        src = views[0].get(_view(models[0][key_maps[0][key]]))
+        if src is not None and all(view.get(_view(model.get(key_map.get(key)))) == src
+                                   for model, key_map, view in zip(models[1:], key_maps[1:], views[1:])):
+            found.append((src, key))
+    return tuple(found)
+
+
+def _view(value: Any) -> tuple | None:
+    return (id(value.storage), value.storage_offset, value.shape, value.stride) if is_tensor(value) else None
 
 
 def _key_map(entries: Mapping[str, Any], label: str, where: str) -> dict[str, str]:
@@ -348,8 +371,8 @@ def _param_dict(layout: ModelLayout, dicts: Sequence[Mapping[str, Any]], maps: S
         # A flat parameter that holds no parameters has no elements: any tensor's dtype.
         tensor = dicts[0][spans[0].path[-1]] if spans else next(v for v in dicts[0].values() if is_tensor(v))
         dtypes.append(tensor.dtype)
-    taken = ({n for fp in layout.flat_params for n in fp.names} | {dst for _, dst in layout.ties} if layout.unflattened
-             else {fp.key for fp in layout.flat_params})
+    taken = ({n for fp in layout.flat_params for n in fp.names} if layout.unflattened else
+             {fp.key for fp in layout.flat_params}) | {dst for _, dst in layout.ties}
     values = {clean: (actual, dicts[0][actual]) for clean, actual in maps[0].items() if clean not in taken}
     extras = tuple(Extra(clean, actual, value.shape, value.dtype) if is_tensor(value) else
                    Extra(clean, actual, None, None) for clean, (actual, value) in values.items())
