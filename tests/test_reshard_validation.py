@@ -351,10 +351,20 @@ def _optimizer_without_instance_1(shard: dict[str, Any]) -> None:
     osd["param_groups"][0]["params"] = [0, 1]
 
 
+def _optimizer_given_groups_out_of_order(shard: dict[str, Any]) -> None:
+    """As saved by an optimizer given instance 1's parameters first, in a group of their own."""
+    osd = _osd(shard)
+    osd["state"] = {0: osd["state"][1], 1: osd["state"][0], 2: osd["state"][2]}
+    osd["param_groups"] = [{**osd["param_groups"][0], "params": [0]}, {**osd["param_groups"][0], "params": [1, 2]}]
+
+
 @pytest.mark.parametrize(
     "spoil, words",
     [
         (lambda s: _osd(s[1])["state"].pop(2), f"{SHARD.format(1)}: last_optimizer_state covers flat parameters [0, 1]"),
+        (lambda s: [_optimizer_given_groups_out_of_order(r) for r in s],
+         "state id k is the k-th parameter the optimizer was given: do its 2 param groups list them in another order "
+         "than the model's?); pass --skip-optimizer-state"),
         (lambda s: [_osd(r)["state"].__setitem__(7, {}) for r in s], "has id 7 but shard_metadata lists 3"),
         (lambda s: _osd(s[2])["state"][1].pop("exp_avg_sq"),
          f"{SHARD.format(2)}: last_optimizer_state.state[1] lacks 'exp_avg_sq'"),

@@ -231,7 +231,8 @@ def _aliases(models: Sequence[Mapping[str, Any]], key_maps: Sequence[Mapping[str
     params = [n for fp in flat_params for n in fp.names] if unflattened else [
         fp.key for fp in flat_params if not fp.flattened]
     taken = {*params, *(fp.key for fp in flat_params), *(dst for _, dst in ties)}
-    views = [{_view(model[key_map[name]]): name for name in reversed(params)} for model, key_map in zip(models, key_maps)]
+    views = [{_view(model[key_map[name]]): name for name in reversed(params)}  # the first name of a view
+             for model, key_map in zip(models, key_maps)]
     found = []
     for key in (key for key in key_maps[0] if key not in taken):
         src = views[0].get(_view(models[0][key_maps[0][key]]))

@@ -19,7 +19,7 @@ from metaseq.reshard.layout import FlatParam, ModelLayout
 from metaseq.reshard.optim import OptimLayout, StateEntry, scalar_key
 from metaseq.reshard.ranges import Span, Spans, join_spans, side_by_side
 from metaseq.reshard.schema import resolve
-from metaseq.torchzip import DType, Size, read_at
+from metaseq.torchzip import DType, Size
 
 __all__ = ["check_parts_fit", "cut_model_parts", "global_shapes"]
 
@@ -191,9 +191,8 @@ def _read(structures: Sequence[Any], spans: Sequence[Span]) -> tuple[bytes, DTyp
     out, dtype = [], None
     for span in spans:
         tensor = resolve(structures[span.input], span.path)
-        source, offset = tensor.storage.locate(tensor.storage_offset + span.start)
-        out.append(bytes(read_at(source, offset, span.length * tensor.dtype.itemsize)))
-        dtype = tensor.dtype
+        dtype, size = tensor.dtype, tensor.dtype.itemsize
+        out.append(tensor.storage.read((tensor.storage_offset + span.start) * size, span.length * size))
     return b"".join(out), dtype
 
 

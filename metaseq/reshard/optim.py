@@ -196,9 +196,12 @@ def _flat_entry(osds: Sequence[Mapping[str, Any]], model: ModelLayout, k: int, n
     for value, label, expected in zip(values, labels, model.padded_lengths[k]):
         if not is_tensor(value) or value.dim() != 1 or value.numel() != expected:
             found = list(value.shape) if is_tensor(value) else type(value).__name__
+            groups = len(osds[0]["param_groups"])
+            order = (f" (state id k is the k-th parameter the optimizer was given: do its {groups} param groups list "
+                     "them in another order than the model's?)") if groups > 1 else ""
             raise ReshardError(f"{label}: {OPTIM}.state[{k}]['{name}'] has shape {found} but flat parameter "
                                f"'{fp.key}' has {expected} elements there; the optimizer state does not match the "
-                               "flat parameters")
+                               f"flat parameters{order}; pass --skip-optimizer-state to drop it")
     for value, label in zip(values[1:], labels[1:]):
         check_flat_dtype(value.dtype, values[0].dtype, f"{label}: {OPTIM}.state[{k}]['{name}']", f"{labels[0]}'s",
                          fp.key)
