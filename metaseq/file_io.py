@@ -17,11 +17,12 @@ import re
 import secrets
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator, Sequence
 
 from metaseq.errors import CheckpointLoadError, UserError
-from metaseq.torchzip import NeedsTorch, check_record, zip_records
+from metaseq.torchzip import NeedsTorch, check_record, read_at, zip_records
 
 __all__ = ["CheckpointLoadError", "atomic_link", "atomic_output", "atomic_torch_save", "check_checkpoint_crc",
            "check_no_broken_links", "checkpoint_prefix", "find_model_parts", "find_shards", "folder_hint",
@@ -385,7 +386,8 @@ def load_checkpoint(path: str | os.PathLike, *, mmap: bool = False, trust: bool 
     path = str(path)
     mmap = mmap and check_checkpoint_crc(path, tensors=False) is not None
     try:
-        with torch.serialization.safe_globals(SAFE_GLOBALS):  # only weights_only reads them
+        with torch.serialization.safe_globals(SAFE_GLOBALS), warnings.catch_warnings():  # only weights_only reads them
+            warnings.filterwarnings("ignore", "Detected pickle protocol")  # where it matters, the error says so
             obj = torch.load(path, map_location="cpu", mmap=mmap, weights_only=not trust)
     except FileNotFoundError:
         raise CheckpointLoadError(f"{path}: no such file") from None
@@ -394,6 +396,19 @@ def load_checkpoint(path: str | os.PathLike, *, mmap: bool = False, trust: bool 
     if not isinstance(obj, dict):
         raise CheckpointLoadError(f"{path}: expected a dict checkpoint, found {type(obj).__name__}")
     return obj
+
+
+def _pickle_protocol(path: str) -> int:
+    """The protocol of a checkpoint's pickle (a zip's data.pkl, else the file's first); 0 where there is none."""
+    try:
+        try:
+            record = zip_records(path).get("data.pkl")
+            head = bytes(read_at(path, record.offset, 2)) if record else b""
+        except NeedsTorch:  # not a zip: a legacy file starts with a pickle
+            head = bytes(read_at(path, 0, 2))
+    except (OSError, CheckpointLoadError):
+        return 0
+    return head[1] if len(head) == 2 and head[0] == 0x80 else 0
 
 
 def _load_error(path: str, e: BaseException) -> CheckpointLoadError:
@@ -412,6 +427,11 @@ def _load_error(path: str, e: BaseException) -> CheckpointLoadError:
         return CheckpointLoadError(f"{path}: it holds objects of class {missing.group(2)}.{missing.group(1)}, which "
                                    "is not defined here (AttributeError); import the code that defines it, or use a "
                                    "tool that carries such objects without loading them")
+    opcode = re.search(r"WeightsUnpickler error:\s*Unsupported operand (\d+)", text)
+    if opcode and _pickle_protocol(path) >= 4:
+        return CheckpointLoadError(f"{path}: torch's safe loader cannot read its pickle (opcode {opcode.group(1)}: "
+                                   "saved with pickle protocol 4 or later?); if you trust this file, pass "
+                                   "--trust-checkpoint, or save it again with torch.save's default protocol")
     text = re.sub(r"^[\s\S]*?WeightsUnpickler error:", "unpickling failed:", text).strip()
     text = re.sub(r"^\[enforce fail at [^\]]*\]\s*\.?\s*", "", text)
     detail = type(e).__name__ + (f": {text.splitlines()[0][:100]}" if text else "")

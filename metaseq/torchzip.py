@@ -200,18 +200,16 @@ class Opaque:
 
     One subclass per global and file (`module`, `qualname`), standing for the global where a
     pickle uses it as a value. An instance holds the `args` of the REDUCE (`called`) or NEWOBJ
-    that made it, the `state` BUILD gave it (None: no BUILD), and the `items` and `entries`
-    APPEND(S) and SETITEM(S) added. Nothing of the original class runs.
+    that made it (and the `kwargs` of a NEWOBJ_EX), the `state` BUILD gave it (None: no BUILD),
+    and the `items` and `entries` APPEND(S) and SETITEM(S) added. Nothing of the original class runs.
     """
 
     module: ClassVar[str] = ""
     qualname: ClassVar[str] = ""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Opaque:
-        if kwargs:
-            raise NeedsTorch(f"{cls.module}.{cls.qualname} made with keyword arguments")
         obj = object.__new__(cls)
-        obj.args, obj.called, obj.state, obj.items, obj.entries = args, False, None, [], []
+        obj.args, obj.kwargs, obj.called, obj.state, obj.items, obj.entries = args, kwargs, False, None, [], []
         return obj
 
     def __init__(self, *args: Any) -> None:
@@ -679,8 +677,21 @@ class _Pickler(pickle._Pickler):
             rest = (obj.state, iter(obj.items), iter(obj.entries))
             if kind is _Called:
                 return (obj.callee, tuple(obj.args), *rest)
+            if obj.kwargs:
+                return (copyreg.__newobj_ex__, (kind, tuple(obj.args), obj.kwargs), *rest)
             return (kind, tuple(obj.args), *rest) if obj.called else (copyreg.__newobj__, (kind, *obj.args), *rest)
         raise TypeError(f"cannot write a {kind.__name__} into a checkpoint")
+
+    def save_reduce(self, func: Any, args: Any, *rest: Any, obj: Any = None) -> None:
+        """Python's, but an object made with keyword arguments is written with NEWOBJ_EX, as the input's pickle
+        (protocol 4 or later) made it: protocol 2 writes a partial of the class's `__new__`, which a stand-in lacks."""
+        if func is not copyreg.__newobj_ex__:
+            return super().save_reduce(func, args, *rest, obj=obj)
+        self.proto = 4  # that object (and what it holds) in protocol 4's opcodes, which every unpickler reads
+        try:
+            return super().save_reduce(func, args, *rest, obj=obj)
+        finally:
+            self.proto = 2
 
     def save_global(self, obj: Any, name: str | None = None) -> None:
         stand_in = _global_of(obj)
