@@ -317,7 +317,19 @@ def test_shapes_that_contradict_the_rules_are_refused(tmp_path, capsys):
     _write_parts(tmp_path, 2, 1)
     shards = make_shards(make_model(instances=FULL), 1)  # part 1 rewritten with whole, uncut tensors
     write_shards(shards, tmp_path, part=1)
-    assert "its shape differs between model parts" in _fails(capsys, tmp_path, "--num-output-parts", "1")
+    assert ("decoder.embed_tokens.weight: its shape differs between model parts ([[6, 4], [12, 4]]); "
+            "every part holds an equal slice, so the parts come from different models") in _fails(
+        capsys, tmp_path, "--num-output-parts", "1")
+
+
+def test_a_weight_without_the_dim_its_rule_cuts_is_refused(tmp_path, capsys):
+    """fc2.weight is cut along dim 1 (row-parallel): a 1-D one is another model's."""
+    (root, (path, specs, ties)) = FULL
+    full = (root, (path, tuple((n, (32,) if n == "fc2.weight" else shape) for n, shape in specs), ties))
+    write_shards(make_shards(make_model(instances=full), 1), tmp_path)
+    assert _fails(capsys, tmp_path, "--num-output-parts", "2") == (
+        "ERROR: decoder.layers.0.fc2.weight: shape [32] has no dim 1 to cut, as its rule says; the partition rules "
+        "(metaseq.models.partition) are for metaseq's OPT-style model, which this is not\n")
 
 
 @pytest.mark.parametrize("flags, words", [

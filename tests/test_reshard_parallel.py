@@ -255,6 +255,36 @@ def _rank(rank: int, cwd: Path, port: int, argv: list[str], node: int | None = N
                             text=True)
 
 
+@pytest.mark.parametrize("given, words", [({}, "MASTER_ADDR and MASTER_PORT not set; export MASTER_ADDR (rank 0's "
+                                                "host name) and MASTER_PORT (a free port), or launch with torchrun"),
+                                           ({"MASTER_ADDR": "127.0.0.1"}, "MASTER_PORT not set; export MASTER_PORT (a "
+                                                                          "free port), or launch with torchrun")])
+def test_a_rank_without_the_rendezvous_address_says_what_to_export(tmp_path: Path, given: dict, words: str) -> None:
+    write_shards(make_shards(make_model(), 2), tmp_path / "in")
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    argv = [sys.executable, "-m", "metaseq.scripts.reshard_fsdp", "--input",
+            str(tmp_path / "in" / SHARD.format(0, "*")), "--output", str(tmp_path / "out" / "s{i}.pt"), "--quiet"]
+    proc = subprocess.run(argv, cwd=REPO, env={**env, "RANK": "0", "WORLD_SIZE": "2", **given}, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and _error_line(proc.stderr) == f"ERROR: torchrun rank 0 of 2: {words}"
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_rendezvous_port_another_program_holds_is_named(tmp_path: Path) -> None:
+    write_shards(make_shards(make_model(), 2), tmp_path / "in")
+    argv = ["-m", "metaseq.scripts.reshard_fsdp", "--input", str(tmp_path / "in" / SHARD.format(0, "*")), "--output",
+            str(tmp_path / "out" / "s{i}.pt"), "--quiet"]
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        rank = _rank(0, REPO, port, argv)
+        code, err = rank.wait(timeout=120), rank.stderr.read()
+    assert code == 2 and _error_line(err).startswith(f"ERROR: torchrun rank 0 of 2: port 127.0.0.1:{port} is in use "
+                                                     "(another run?)") and err.rstrip().endswith("a free port")
+    assert not (tmp_path / "out").exists()
+
+
 def test_ranks_that_see_other_files_under_the_same_names_are_refused(tmp_path: Path) -> None:
     """Two nodes' local copies that are not one checkpoint (here: other cwds holding other runs): refused before
     anything is written, on both ranks; copies of one checkpoint work. On one node, other working folders would

@@ -5,8 +5,10 @@ runs `main([...])` and checks that no file under tmp_path was added or changed.
 """
 from __future__ import annotations
 
+import collections
 import hashlib
 import re
+import zipfile
 from pathlib import Path
 from typing import Any, Callable
 
@@ -14,6 +16,7 @@ import pytest
 import torch
 
 from metaseq.checkpoint_utils import RestoreError, read_restore_files
+from metaseq.file_io import load_checkpoint
 from metaseq.scripts.reshard_fsdp import main
 from synthetic import Opaque, make_model, make_shards, write_shards
 
@@ -454,6 +457,142 @@ def test_garbage_file(tmp_path: Path, capsys) -> None:
     line = _fails(tmp_path, capsys, _args(str(tmp_path / "ckpts" / SHARD.format("*")), tmp_path, "--num-output-shards", "2"))
     assert f"{SHARD.format(3)}: cannot read checkpoint" in line and "not a torch checkpoint" in line
     assert len(line) < 300
+
+
+class _Reduce:
+    """Pickled as `fn(*args)`: a tensor rebuild call as a damaged or hand-made pickle may hold it."""
+
+    def __init__(self, fn: Callable, args: tuple) -> None:
+        self.fn, self.args = fn, args
+
+    def __reduce__(self) -> tuple:
+        return self.fn, self.args
+
+
+def _carrying(value: Any) -> Spoil:
+    return lambda shards: shards[0]["extra_state"].__setitem__("x", value)
+
+
+def _rewrite_zip(path: Path, change: Callable[[str, bytes], bytes]) -> None:
+    """Rewrite a torch zip file record by record (so with new CRC32s), each record's bytes through `change`."""
+    with zipfile.ZipFile(path) as archive:
+        records = [(info.filename, archive.read(info.filename)) for info in archive.infolist()]
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as archive:
+        for name, data in records:
+            archive.writestr(name, change(name, data))
+
+
+def _float_storage() -> torch.storage.TypedStorage:
+    return torch.storage.TypedStorage(wrap_storage=torch.arange(6.0).untyped_storage(), dtype=torch.float32,
+                                      _internal=True)
+
+
+_CORRUPT = "); the file is truncated, corrupt or not a torch checkpoint"
+
+
+@pytest.mark.parametrize("args, words", [((-1, (2,), (1,)), "tensor with a negative offset, size or stride"),
+                                         ((3, (2,), (-1,)), "tensor with a negative offset, size or stride"),
+                                         ((4, (3,), (1,)), "tensor beyond its storage")])
+def test_a_tensor_outside_its_storage_is_refused(tmp_path: Path, capsys, args: tuple, words: str) -> None:
+    """Crafted, or damaged where the CRC32 does not see it (a pickle written so): never read past the storage."""
+    rebuilt = _Reduce(torch._utils._rebuild_tensor_v2, (_float_storage(), *args, False, collections.OrderedDict()))
+    line = _fails(tmp_path, capsys, _args(_write(tmp_path, _carrying(rebuilt)), tmp_path))
+    assert line == (f"ERROR: {tmp_path / 'ckpts' / SHARD.format(0)}: cannot read checkpoint (unpickling failed: "
+                    f"UnpicklingError: {words}{_CORRUPT}")
+
+
+def test_a_persistent_id_not_of_a_storage_is_refused(tmp_path: Path, capsys) -> None:
+    pattern, path = _write(tmp_path), tmp_path / "ckpts" / SHARD.format(1)
+    tag = b"X\x07\x00\x00\x00storage"  # the persistent id's first item, at protocol 2
+    _rewrite_zip(path, lambda name, data: data.replace(tag, tag[:-1] + b"X", 1) if name.endswith("data.pkl") else data)
+    line = _fails(tmp_path, capsys, _args(pattern, tmp_path))
+    assert line.startswith(f"ERROR: {path}: cannot read checkpoint (unpickling failed: UnpicklingError: persistent id "
+                           "('storagX'") and line.endswith(_CORRUPT)
+
+
+@pytest.mark.parametrize("records, words", [({"readme.txt": b"hi"}, "file in archive is not in a subdirectory"),
+                                            ({"archive/version": b"3\n"}, "data.pkl")], ids=["any-zip", "no-pickle"])
+def test_a_zip_file_that_is_not_a_torch_checkpoint_is_refused(tmp_path: Path, capsys, records, words: str) -> None:
+    path = tmp_path / "ckpts" / "consolidated.pt"
+    path.parent.mkdir()
+    with zipfile.ZipFile(path, "w") as archive:
+        for name, data in records.items():
+            archive.writestr(name, data)
+    line = _fails(tmp_path, capsys, ["--input", str(path), "--output", str(tmp_path / "out" / "x.pt")])
+    assert line.startswith(f"ERROR: {path}: cannot read checkpoint (") and words in line and line.endswith(_CORRUPT)
+
+
+@pytest.mark.parametrize("value, why", [
+    (_Reduce(torch._utils._rebuild_tensor_v2, (_float_storage(), 0, (3,), (1,), False, collections.OrderedDict(),
+                                               {"a": 1})), "tensor with hooks or metadata"),
+    (_Reduce(torch._utils._rebuild_parameter, (torch.zeros(3), False, collections.OrderedDict([(1, "x")]))),
+     "parameter with hooks, or not of a tensor"),
+    ("big-endian", "big-endian file")], ids=["tensor-metadata", "parameter-hooks", "big-endian"])
+def test_what_the_reader_does_not_take_is_loaded_with_torch(tmp_path: Path, capsys, value: Any, why: str) -> None:
+    pattern = _write(tmp_path, None if value == "big-endian" else _carrying(value))
+    if value == "big-endian":
+        _rewrite_zip(tmp_path / "ckpts" / SHARD.format(0), lambda name, data: b"big" if name.endswith("/byteorder")
+                     else data)
+    assert main(_args(pattern, tmp_path, "--num-output-shards", "2")) == 0
+    assert f"{tmp_path / 'ckpts' / SHARD.format(0)}: {why}; loading it with torch, into memory" in (
+        capsys.readouterr().err)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["shard0.pt", "shard1.pt"]
+
+
+def test_names_whose_shard_index_cannot_be_told_are_refused(tmp_path: Path, capsys) -> None:
+    _write(tmp_path)
+    for r in range(4):
+        (tmp_path / "ckpts" / SHARD.format(r)).rename(tmp_path / "ckpts" / f"r{r}_x{3 - r}.pt")
+    line = _fails(tmp_path, capsys, _args(str(tmp_path / "ckpts" / "r*.pt"), tmp_path))
+    assert line.startswith(f"ERROR: {tmp_path / 'ckpts' / 'r0_x3.pt'}, ") and line.endswith(
+        "(4 files): cannot tell which number in the names is the shard index; name the files '...shard{i}.pt'")
+
+
+# --- EMA mirrors (extra_state['ema']) and consolidated files --------------------------------------
+
+
+def _with_ema(change: Spoil) -> Spoil:
+    def spoil(shards: list[dict[str, Any]]) -> None:
+        for shard in shards:
+            shard["extra_state"]["ema"] = {k: v.clone() for k, v in shard["model"].items()}
+        change(shards)
+    return spoil
+
+
+@pytest.mark.parametrize("value, kind", [([1, 2], "list"), (None, "NoneType"), (torch.zeros(3), "tensor")])
+def test_an_ema_mirror_of_another_type_than_input_0s_is_refused(tmp_path: Path, capsys, value, kind: str) -> None:
+    pattern = _write(tmp_path, _with_ema(lambda shards: shards[1]["extra_state"].__setitem__("ema", value)))
+    line = _fails(tmp_path, capsys, _args(pattern, tmp_path, "--num-output-shards", "2"))
+    assert line == (f"ERROR: {tmp_path / 'ckpts' / SHARD.format(1)}: extra_state['ema'] is a {kind}, unlike input 0's "
+                    "dict laid out like model; the shards come from different runs")
+
+
+def test_an_ema_entry_of_input_0_that_is_not_a_dict_is_carried(tmp_path: Path, capsys) -> None:
+    """Not a mirror of the model: carried from input 0 like the rest of extra_state."""
+    pattern = _write(tmp_path, _with_ema(lambda shards: shards[0]["extra_state"].__setitem__("ema", [1, 2])))
+    assert main(_args(pattern, tmp_path, "--num-output-shards", "2", "--quiet")) == 0
+    assert [load_checkpoint(tmp_path / "out" / f"shard{i}.pt")["extra_state"]["ema"] for i in (0, 1)] == [[1, 2]] * 2
+
+
+def test_an_ema_mirror_whose_flat_tensor_has_another_length_is_refused(tmp_path: Path, capsys) -> None:
+    def shorten(shards: list[dict[str, Any]]) -> None:
+        ema = shards[2]["extra_state"]["ema"]
+        ema["flat_param_0"] = ema["flat_param_0"][:-1].clone()
+    line = _fails(tmp_path, capsys, _args(_write(tmp_path, _with_ema(shorten)), tmp_path, "--num-output-shards", "2"))
+    assert line == (f"ERROR: {tmp_path / 'ckpts' / SHARD.format(2)}: extra_state['ema']['flat_param_0'] is [6], "
+                    "not [7] like model's; extra_state['ema'] must hold the flat parameters exactly as model does to be "
+                    "resharded")
+
+
+def test_a_consolidated_weight_whose_shape_was_changed_is_refused(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "c.pt"
+    assert main(["--input", _write(tmp_path), "--output", str(path), "--unflatten-weights", "--quiet"]) == 0
+    consolidated = load_checkpoint(path)
+    consolidated["model"]["decoder.layers.0.fc1.weight"] = torch.zeros(5, 4)
+    torch.save(consolidated, path)
+    line = _fails(tmp_path, capsys, _args(str(path), tmp_path, "--num-output-shards", "2"))
+    assert line == (f"ERROR: {path}: model['decoder.layers.0.fc1.weight'] has shape [5, 4] but shard_metadata says "
+                    "[5, 3]; its weights and shard_metadata are not of one model (edited?)")
 
 
 # --- outputs and options -------------------------------------------------------------------------

@@ -106,8 +106,9 @@ def open_world(world: World) -> bool:
             env.setdefault(key, value)
     missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not env.get(k)]
     if missing:
+        what = {"MASTER_ADDR": "rank 0's host name", "MASTER_PORT": "a free port"}
         raise ReshardError(f"{world.launcher} rank {world.rank} of {world.size}: {' and '.join(missing)} not set; "
-                           "export them (rank 0's host name and a free port) or launch with torchrun")
+                           f"export {' and '.join(f'{k} ({what[k]})' for k in missing)}, or launch with torchrun")
     global _group
     try:
         dist.init_process_group("gloo", init_method="env://", rank=world.rank, world_size=world.size,

@@ -29,7 +29,8 @@ __all__ = ["MIRRORS", "Extra", "FlatParam", "ModelLayout", "ParamDict", "analyze
 # (upstream metaseq's --store-ema): resharded with the model, not carried from rank 0.
 MIRRORS = ("ema", "ema_fp32_params")
 _COMPLETE = "are the shards complete and from one checkpoint?"
-_BAD_MODEL = "{label}: {where}['{key}'] has shape {found} but shard_metadata says {shape}"
+_BAD_MODEL = ("{label}: {where}['{key}'] has shape {found} but shard_metadata says {shape}; its weights and "
+              "shard_metadata are not of one model (edited?)")
 _BAD_MIRROR = ("{label}: {where}['{key}'] is {found}, not {shape} like model's; {where} must hold the flat parameters "
                "exactly as model does to be resharded")
 
@@ -135,7 +136,7 @@ def analyze_model(shards: Sequence[Mapping[str, Any]], labels: Sequence[str], fi
     dicts = [_param_dict(layout, models, key_maps, ("model",))]
     for name in MIRRORS:  # checked on every input to hold the flat parameters as `model` does
         mirrors = [s["extra_state"].get(name) if isinstance(s.get("extra_state"), Mapping) else None for s in shards]
-        if mirrors[0] is not None:
+        if isinstance(mirrors[0], Mapping):  # else not a mirror: carried from input 0 like other extra_state
             maps = [_key_map(entries, label, f"extra_state['{name}']") for entries, label in zip(mirrors, labels)]
             dicts.append(_param_dict(layout, mirrors, maps, ("extra_state", name)))
     return dataclasses.replace(layout, dicts=tuple(dicts))
@@ -249,8 +250,9 @@ def _view(value: Any) -> tuple | None:
 def _key_map(entries: Mapping[str, Any], label: str, where: str) -> dict[str, str]:
     """clean key -> actual key, tolerating `_fsdp_wrapped_module.` / `_fpw_module.` segments."""
     if not isinstance(entries, Mapping):  # a mirror, on an input other than 0
-        raise ReshardError(f"{label}: {where} is a {type(entries).__name__}, unlike input 0's dict laid out like "
-                           "model; the shards come from different runs")
+        kind = "tensor" if is_tensor(entries) else type(entries).__name__
+        raise ReshardError(f"{label}: {where} is a {kind}, unlike input 0's dict laid out like model; the shards "
+                           "come from different runs")
     key_map: dict[str, str] = {}
     for key in entries:
         clean = clean_key(str(key))

@@ -39,12 +39,13 @@ def global_shapes(parts: Sequence[ModelLayout]) -> dict[str, Size]:
             local = [part.flat_params[k].shapes[j] for part in parts]
             if len(set(local)) > 1:
                 raise ReshardError(f"{name}: its shape differs between model parts ({[list(s) for s in local]}); "
-                                   "every part holds an equal slice")
+                                   "every part holds an equal slice, so the parts come from different models")
             rule, shape = rule_for(name), list(local[0])
             if rule is not None:
                 if rule.dim >= len(shape):
                     raise ReshardError(f"{name}: shape {shape} has no dim {rule.dim} to cut, as its rule says; "
-                                       "the partition rules do not fit this model")
+                                       "the partition rules (metaseq.models.partition) are for metaseq's "
+                                       "OPT-style model, which this is not")
                 shape[rule.dim] *= len(parts)
             shapes[name] = Size(shape)
     return shapes
