@@ -577,7 +577,8 @@ def _runs(copies: Sequence[Copy], where: Callable[[Copy], tuple[int, ...]]) -> I
 
 
 def _cast(data: bytes | memoryview, src: DType, dst: DType) -> bytes:
-    """`data`'s elements cast; raises OverflowError where a finite value would become inf (beyond float16's range)."""
+    """`data`'s elements cast; raises OverflowError where a finite value would become inf (beyond float16's range).
+    A NaN becomes the standard NaN of its sign: torch's cast gives other bits in other chunks of one tensor."""
     import torch  # only casting needs it
 
     values = torch.frombuffer(bytearray(data), dtype=getattr(torch, src.name))
@@ -587,6 +588,9 @@ def _cast(data: bytes | memoryview, src: DType, dst: DType) -> bytes:
         if grown.any():
             raise OverflowError(f"{int(grown.sum())} finite {src.name} value(s) up to {values[grown].abs().max():.6g} "
                                 f"would become inf in {dst.name}")
+        nan, ints = out.isnan(), {2: torch.int16, 4: torch.int32, 8: torch.int64}[out.element_size()]
+        standard = torch.tensor(math.nan, dtype=out.dtype).view(ints)  # its sign set by bits (bfloat16's neg keeps it)
+        out.view(ints)[nan] = torch.where(values[nan].signbit(), standard | torch.iinfo(ints).min, standard)
     return out.view(torch.uint8).numpy().tobytes()
 
 

@@ -169,6 +169,45 @@ def test_fp16_cast_that_would_make_inf_is_refused_and_writes_nothing(tmp_path: P
     assert got["decoder.layers.0.fc2.bias"][1] == 60000.0 and got["decoder.layers.1.scale"][0] == float("inf")
 
 
+def test_a_bf16_cast_that_would_make_inf_is_refused_without_suggesting_bf16(tmp_path: Path, capsys) -> None:
+    model = make_model()
+    model.params["decoder.layers.0.fc2.bias"][1] = 3.4e38  # rounds up to bfloat16's inf
+    write_shards(make_shards(model, 2), tmp_path / "ckpts")
+    assert main(["--input", _pattern(tmp_path / "ckpts"), "--output", str(tmp_path / "out" / "s{i}.pt"),
+                 "--output-dtype", "bf16"]) == 2
+    assert _error_line(capsys).endswith("1 finite float32 value(s) up to 3.4e+38 would become inf in bfloat16; keep "
+                                        "the dtype")
+
+
+def test_a_cast_of_nan_weights_passes_verify(tmp_path: Path) -> None:
+    """torch casts one NaN to other bits in other chunks of a tensor (here: the writer's per output, --verify's
+    per parameter): the tool writes the standard NaN of each sign, so --verify sees the bits it plans."""
+    model = make_model(dtype=torch.float16, instances=(("", (("w", (21,)), ("b", (3,))), ()),))
+    model.params["w"][:11], model.params["w"][11:] = float("nan"), -float("nan")
+    write_shards(make_shards(model, 2), tmp_path / "ckpts")
+    for out, dtype, flags in (("flat", "fp32", ["--num-output-shards", "3"]), ("one", "bf16", ["--unflatten-weights"])):
+        assert main(["--input", _pattern(tmp_path / "ckpts"), "--output", str(tmp_path / out / "s{i}.pt"),
+                     "--output-dtype", dtype, "--verify", "--quiet", *flags]) == 0
+    got = load_checkpoint(tmp_path / "one" / "s0.pt")["model"]["w"]
+    assert got.dtype == torch.bfloat16 and got.isnan().all()
+    assert set(got.view(torch.int16).tolist()) == {0x7FC0, 0xFFC0 - 0x10000}  # the sign kept
+
+
+def test_verify_reads_back_outputs_that_hold_the_same_bytes(tmp_path: Path) -> None:
+    """Outputs whose cfg names no rank and whose shards hold the same bytes (all NaN) are not taken for copies:
+    this run wrote each."""
+    model = make_model(instances=(("", (("w", (21,)), ("b", (3,))), ()),))
+    model.params["w"][:] = float("nan")
+    shards = make_shards(model, 2)
+    for shard in shards:
+        shard["cfg"] = {}
+    write_shards(shards, tmp_path / "ckpts")
+    assert main(["--input", _pattern(tmp_path / "ckpts"), "--output", str(tmp_path / "out" / "s{i}.pt"),
+                 "--num-output-shards", "3", "--verify", "--quiet"]) == 0
+    flat = [load_checkpoint(tmp_path / "out" / f"s{i}.pt")["model"]["flat_param_0"].view(torch.int32) for i in (0, 1)]
+    assert torch.equal(*flat) and flat[0].numel() == 8
+
+
 def test_output_names_near_the_file_name_limit_are_written(shard_dir: Path, tmp_path: Path) -> None:
     """255 bytes is the limit of a file name; the temp file beside it (a pid and random letters longer) must fit."""
     name = "x" * 240 + "-shard{i}.pt"  # 250 characters once {i} is a digit

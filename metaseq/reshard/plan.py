@@ -312,14 +312,15 @@ def _checked(plan: Plan) -> Plan:
 
 
 def analyze_inputs(structures: Sequence[Mapping[str, Any]], labels: Sequence[str], options: ReshardOptions,
-                   first: int = 0) -> Source:
+                   first: int = 0, *, written: bool = False) -> Source:
     """Validate the inputs (ordered by rank; `first`: input 0's index in the plan) against each other and the
-    options; no tensor data is read."""
+    options; no tensor data is read. `written`: files this tool just wrote, so no copies of one another (two may
+    hold the same bytes: shards all NaN)."""
     if not structures:
         raise ReshardError("no input shards")
     check_same_save(structures, labels)
     model = analyze_model(structures, labels, first)
-    check_rank_order(structures, labels)  # after the layout's checks, which say more where both fail
+    check_rank_order(structures, labels, copies=not written)  # after the layout's checks, which say more
     optim = None if options.skip_optimizer_state else analyze_optimizer(structures, model)
     if optim is not None and options.unflatten_weights and optim.num_param_groups != 1:
         raise ReshardError(
@@ -362,13 +363,14 @@ def check_same_save(structures: Sequence[Mapping[str, Any]], labels: Sequence[st
                                "runs; use one run's files")
 
 
-def check_rank_order(structures: Sequence[Mapping[str, Any]], labels: Sequence[str], parts: int = 1) -> None:
+def check_rank_order(structures: Sequence[Mapping[str, Any]], labels: Sequence[str], parts: int = 1, *,
+                     copies: bool = True) -> None:
     """Refuse files out of the order of the ranks that saved them, where the files say (cfg's distributed_rank, as
     training and the reshard tools write it; older resharded files all say 0): `structures` part by part, shard i
     of part j saved by rank i * parts + j (fairscale's model-parallel layout)."""
     ranks = [cfg_value(s.get("cfg"), "distributed_training", "distributed_rank") for s in structures]
     if len(set(ranks)) == 1 or not all(type(r) is int for r in ranks):
-        return _check_not_copies(structures, labels) if len(ranks) > 1 else None
+        return _check_not_copies(structures, labels) if len(ranks) > 1 and copies else None
     first = {}
     for rank, label in zip(ranks, labels):
         if first.setdefault(rank, label) != label:

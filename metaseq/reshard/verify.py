@@ -69,7 +69,7 @@ def _verify_part(plan: Plan, part: int) -> Counter:
     outs, opts = [out for out in plan.outputs if out.part == part], plan.options
     planned, paths = outs[0].source or plan.source, [out.path for out in outs]
     files = read_inputs(paths, trust=opts.trust_checkpoint)
-    found = analyze_inputs([f.structure for f in files], paths, ReshardOptions())
+    found = analyze_inputs([f.structure for f in files], paths, ReshardOptions(), written=True)
     ours, theirs = ((form, [(fp.key, fp.names, fp.shapes) for fp in s.model.flat_params], s.model.ties, s.optim is None)
                     for form, s in ((found.model.unflattened, found), (opts.unflatten_weights, planned)))
     facts = ("form", "flat parameters", "ties", "optimizer state")

@@ -122,8 +122,8 @@ def _write_one(job: Job, crc32: bool, report: object) -> int:
             _check_unchanged(read)
             return size
     except OverflowError as e:  # from a cast: torch would have written inf
-        raise ReshardError(f"{job.out.path}: --output-dtype: {e}; use --output-dtype bf16 (float32's range) or keep "
-                           "the dtype") from None
+        wider = "use --output-dtype bf16 (about float32's range) or " if job.plan.options.output_dtype == "fp16" else ""
+        raise ReshardError(f"{job.out.path}: --output-dtype: {e}; {wider}keep the dtype") from None
     except FileExistsError:
         raise
     except OSError as e:
