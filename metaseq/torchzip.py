@@ -271,9 +271,15 @@ def read_at(source: str | int | bytes | memoryview, offset: int, size: int, *,
         while pos < size:
             n = os.preadv(f.fileno(), [memoryview(out)[pos:]], offset + pos)
             if n == 0:
-                raise OSError(errno.EIO, f"{source} ended early (changed while resharding?)")
+                raise ended_early(source if isinstance(source, str) else None)
             pos += n
     return out
+
+
+def ended_early(path: str | None) -> CheckpointLoadError:
+    """An input that ends before the bytes its records promise: changed (cut short) since it was read."""
+    return CheckpointLoadError(f"{path or 'an input'} ended early while being read (changed while resharding?); "
+                               "rerun once nothing writes to it")
 
 
 def zip_records(source: str | bytes) -> dict[str, Record]:
@@ -846,7 +852,10 @@ def _copy_chunks(copy: Copy, src: int, fd: int, entry: _Entry, report: Report | 
     """One copy into the entry's storage; `src` is its source's open file, if any."""
     dtype, dst = entry.storage.dtype, entry.data_offset + copy.dst_offset
     if copy.src_dtype == dtype and src >= 0:
-        copy_file_range_all(src, fd, copy.numel * dtype.itemsize, copy.src_offset, dst, report)
+        try:
+            copy_file_range_all(src, fd, copy.numel * dtype.itemsize, copy.src_offset, dst, report)
+        except CheckpointLoadError:  # ended early: name it
+            raise ended_early(str(copy.source)) from None
         return
     step = CAST_BYTES // max(copy.src_dtype.itemsize, dtype.itemsize)
     for first in range(0, copy.numel, step):
@@ -886,7 +895,7 @@ def copy_file_range_all(src: int, dst: int, nbytes: int, src_offset: int, dst_of
         if not use_kernel:
             n = os.pwrite(dst, os.pread(src, step, src_offset), dst_offset)  # a short write: the rest next round
         if n == 0:
-            raise OSError(errno.EIO, f"input ended {nbytes} bytes early (file changed while resharding?)")
+            raise ended_early(None)
         _written(dst, dst_offset, n, report)
         nbytes, src_offset, dst_offset = nbytes - n, src_offset + n, dst_offset + n
 

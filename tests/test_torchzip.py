@@ -178,6 +178,21 @@ def test_pieces_and_zero_padding_fill_a_new_tensor(tmp_path: Path) -> None:
     assert torch.equal(torch.load(tmp_path / "out.pt", weights_only=True)["x"], expected)
 
 
+@pytest.mark.parametrize("cast", [False, True], ids=["copied", "cast"])
+def test_a_source_that_ends_before_its_copy_is_named(tmp_path: Path, cast: bool) -> None:
+    """Cut short after it was read (another process): the copy names it, the kernel's and the cast's alike."""
+    torch.save({"a": torch.arange(1000, dtype=torch.float32)}, tmp_path / "in.pt")
+    src = read_structure(str(tmp_path / "in.pt"))["a"]
+    path, offset = src.storage.locate(0)
+    out = TensorRef.empty([1000], torchzip.dtype_by_name("float16" if cast else "float32"))
+    out.storage.copies.append(Copy(path, offset, 0, 1000, src.dtype))
+    os.truncate(path, offset + 400)
+    with open(tmp_path / "out.pt", "wb") as f, pytest.raises(CheckpointLoadError) as error:
+        write_checkpoint(f.fileno(), {"x": out})
+    assert str(error.value) == (f"{path} ended early while being read (changed while resharding?); rerun once "
+                                "nothing writes to it")
+
+
 @pytest.mark.parametrize("window", [torchzip.WINDOW_BYTES, 100])
 def test_rows_and_many_copies_are_gathered_window_by_window(tmp_path: Path, monkeypatch, window: int) -> None:
     """Model-parallel cuts: a column block of a weight (one repeating copy, cast on the way) and two
