@@ -52,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("a", metavar="A", help="glob of FSDP shards (quote it) or one file")
     parser.add_argument("b", metavar="B", help="glob of FSDP shards (quote it) or one file")
     parser.add_argument("--atol", type=float, default=0.0,
-                        help="largest abs difference still counted as equal (default 0: exact)")
+                        help="largest abs difference still counted as equal (default 0: equal values, NaN "
+                             "equal to NaN, 0.0 to -0.0)")
     parser.add_argument("--skip-optimizer-state", action="store_true", help="compare model tensors only")
     parser.add_argument("--trust-checkpoint", action="store_true",
                         help="let torch.load run the classes of inputs in torch's legacy (non-zip) format; "
