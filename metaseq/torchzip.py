@@ -278,7 +278,7 @@ def read_at(source: str | int | bytes | memoryview, offset: int, size: int, *,
 
 def ended_early(path: str | None) -> CheckpointLoadError:
     """An input that ends before the bytes its records promise: changed (cut short) since it was read."""
-    return CheckpointLoadError(f"{path or 'an input'} ended early while being read (changed while resharding?); "
+    return CheckpointLoadError(f"{path or 'an input'} ended early while being read (another process changed it?); "
                                "rerun once nothing writes to it")
 
 

@@ -68,6 +68,27 @@ def test_a_tie_in_parameters_sharded_one_by_one_stays_a_tie(saved, tmp_path, cap
         _assert_equal(*(load_checkpoint(d / SHARD.format(i=i))["model"] for d in (tmp_path / "two", folder)))
 
 
+def test_a_tie_in_an_ema_mirror_stays_a_tie_and_one_split_from_it_is_refused(saved, tmp_path, capsys):
+    """An EMA (extra_state['ema'], laid out like model) of such a model: its tied weight held as model holds it is
+    resharded as a tie; held as a tensor of its own (each entry cloned), it is refused, not copied from rank 0."""
+    folder, _ = saved["tied"]
+    for kind, ema in (("alias", dict), ("split", lambda model: {k: v.clone() for k, v in model.items()})):
+        for i in range(2):
+            ckpt = load_checkpoint(folder / SHARD.format(i=i))
+            ckpt["extra_state"] = {"ema": ema(ckpt["model"])}
+            (tmp_path / kind).mkdir(exist_ok=True)
+            torch.save(ckpt, tmp_path / kind / SHARD.format(i=i))
+    assert _reshard(capsys, tmp_path / "alias", tmp_path / "three" / SHARD, "--num-output-shards", "3") == (0, "")
+    three = load_checkpoint(tmp_path / "three" / SHARD.format(i=2))
+    assert _one_storage(three["extra_state"]["ema"], "twin.weight", "pre.weight")
+    assert torch.equal(three["extra_state"]["ema"]["pre.weight"], three["model"]["pre.weight"])
+    code, err = _reshard(capsys, tmp_path / "split", tmp_path / "out" / SHARD, "--num-output-shards", "3")
+    assert code == 2 and err == (f"ERROR: {tmp_path / 'split' / SHARD.format(i=0)}: extra_state['ema']['twin.weight'] "
+                                 "is a tensor of its own, but model holds it as 'pre.weight' (tied in an instance with "
+                                 "flatten_parameters=False); extra_state['ema'] must hold it as model does, one tensor "
+                                 "under both names, to be resharded") and not (tmp_path / "out").exists()
+
+
 def _one_storage(model, *keys) -> bool:
     return len({model[key].untyped_storage().data_ptr() for key in keys}) == 1
 

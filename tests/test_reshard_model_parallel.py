@@ -322,6 +322,15 @@ def test_shapes_that_contradict_the_rules_are_refused(tmp_path, capsys):
         capsys, tmp_path, "--num-output-parts", "1")
 
 
+def test_legacy_parts_torch_loads_only_if_trusted_take_trust_checkpoint(tmp_path, capsys):
+    _write_parts(tmp_path, 2, 1)
+    for path in tmp_path.glob("*.pt"):  # torch's safe loader reads no pickle of protocol 4
+        torch.save(torch.load(path, weights_only=False), path, _use_new_zipfile_serialization=False, pickle_protocol=4)
+    assert "if you trust this file, pass --trust-checkpoint" in _fails(capsys, tmp_path, "--num-output-parts", "1")
+    assert main(["--input", str(tmp_path / "*.pt"), "--output", str(tmp_path / "out" / OUT), "--quiet",
+                 "--num-output-parts", "1", "--trust-checkpoint"]) == 0
+
+
 def test_a_weight_without_the_dim_its_rule_cuts_is_refused(tmp_path, capsys):
     """fc2.weight is cut along dim 1 (row-parallel): a 1-D one is another model's."""
     (root, (path, specs, ties)) = FULL

@@ -567,10 +567,16 @@ def test_an_ema_mirror_of_another_type_than_input_0s_is_refused(tmp_path: Path, 
                     "dict laid out like model; the shards come from different runs")
 
 
-def test_an_ema_entry_of_input_0_that_is_not_a_dict_is_carried(tmp_path: Path, capsys) -> None:
-    """Not a mirror of the model: carried from input 0 like the rest of extra_state."""
+def test_an_ema_entry_that_is_no_dict_on_input_0_is_refused_beside_mirrors_and_carried_alone(tmp_path: Path,
+                                                                                              capsys) -> None:
     pattern = _write(tmp_path, _with_ema(lambda shards: shards[0]["extra_state"].__setitem__("ema", [1, 2])))
-    assert main(_args(pattern, tmp_path, "--num-output-shards", "2", "--quiet")) == 0
+    line = _fails(tmp_path, capsys, _args(pattern, tmp_path, "--num-output-shards", "2"))
+    assert line == (f"ERROR: {tmp_path / 'ckpts' / SHARD.format(0)}: extra_state['ema'] is a list, unlike "
+                    f"{tmp_path / 'ckpts' / SHARD.format(1)}'s dict laid out like model; the shards come from "
+                    "different runs")
+    (tmp_path / "ckpts2").mkdir()
+    pattern = _write(tmp_path / "ckpts2", lambda shards: [s["extra_state"].__setitem__("ema", [1, 2]) for s in shards])
+    assert main(_args(pattern, tmp_path, "--num-output-shards", "2", "--quiet")) == 0  # not a mirror: carried
     assert [load_checkpoint(tmp_path / "out" / f"shard{i}.pt")["extra_state"]["ema"] for i in (0, 1)] == [[1, 2]] * 2
 
 

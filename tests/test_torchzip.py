@@ -189,7 +189,7 @@ def test_a_source_that_ends_before_its_copy_is_named(tmp_path: Path, cast: bool)
     os.truncate(path, offset + 400)
     with open(tmp_path / "out.pt", "wb") as f, pytest.raises(CheckpointLoadError) as error:
         write_checkpoint(f.fileno(), {"x": out})
-    assert str(error.value) == (f"{path} ended early while being read (changed while resharding?); rerun once "
+    assert str(error.value) == (f"{path} ended early while being read (another process changed it?); rerun once "
                                 "nothing writes to it")
 
 

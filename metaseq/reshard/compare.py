@@ -17,7 +17,7 @@ import torch
 from metaseq.errors import ReshardError, short_repr
 from metaseq.file_io import model_part_number, summarize_paths
 from metaseq.models.partition import rule_for
-from metaseq.reshard.layout import global_params
+from metaseq.reshard.layout import all_ties, global_params
 from metaseq.reshard.optim import differing_settings, optimizer_settings
 from metaseq.reshard.options import ReshardOptions
 from metaseq.reshard.plan import (InputFile, Source, analyze_inputs, cut_model_parallel, output_tensors, read_inputs,
@@ -149,7 +149,7 @@ def tensor_set_from_source(source: Source, inputs: Sequence[InputFile], output_d
     optim = {f"{t.path[3]} of {names[t.path[2]]}": t for t in targets if t.path[0] == OPTIM}
     stored = ({clean_key(str(k)): k for k, v in shard0["model"].items() if is_tensor(v)}
               if layout.unflattened and stored_ties else {})
-    for src, dst in layout.ties:  # an unflattened file stores each tied copy under its own name: read that
+    for src, dst in all_ties(layout):  # an unflattened file stores each tied copy under its own name: read that
         if dst in stored:
             tensor = shard0["model"][stored[dst]]
             model[dst] = whole_tensor(("model", dst), ("model", stored[dst]), tensor.shape, tensor.dtype, options.dtype)

@@ -22,8 +22,8 @@ from metaseq.reshard.ranges import Span, Spans, shard_range
 from metaseq.reshard.schema import ShardMetadata, cfg_value, clean_key, is_tensor, join_key
 from metaseq.torchzip import DType, Size
 
-__all__ = ["MIRRORS", "Extra", "FlatParam", "ModelLayout", "ParamDict", "analyze_model", "check_flat_dtype",
-           "global_params", "missing_shards_hint", "output_cuts", "output_metadata"]
+__all__ = ["MIRRORS", "Extra", "FlatParam", "ModelLayout", "ParamDict", "all_ties", "analyze_model",
+           "check_flat_dtype", "global_params", "missing_shards_hint", "output_cuts", "output_metadata"]
 
 # extra_state dicts that hold state per flat parameter, laid out like `model` on every rank
 # (upstream metaseq's --store-ema): resharded with the model, not carried from rank 0.
@@ -78,6 +78,7 @@ class ParamDict:
     sources: tuple[Spans, ...]  # [k]: flat parameter k's unpadded elements, in order
     dtypes: tuple[DType, ...]  # [k]
     extras: tuple[Extra, ...]  # its other entries (buffers), from input 0
+    aliases: tuple[tuple[str, str], ...] = ()  # (src, dst): entries that are a parameter's tensor (see `_aliases`)
 
 
 @dataclass(frozen=True)
@@ -87,10 +88,15 @@ class ModelLayout:
     flat_params: tuple[FlatParam, ...]
     padded_lengths: tuple[tuple[int, ...], ...]  # [k][r]: flat tensor length on input r
     kept_lengths: tuple[tuple[int, ...], ...]  # [k][r]: the same without padding
-    ties: tuple[tuple[str, str], ...]  # (src, dst) full names
+    ties: tuple[tuple[str, str], ...]  # (src, dst) full names, as shard_metadata records them (see `all_ties`)
     metadata: ShardMetadata  # rank 0's, template for the outputs
     first: int = 0  # the index of input 0 among the plan's inputs (model parts: the part's first)
     dicts: tuple[ParamDict, ...] = ()  # the model's first, then the MIRRORS input 0 has
+
+
+def all_ties(layout: ModelLayout) -> tuple[tuple[str, str], ...]:
+    """Every tie of the model: shard_metadata's, and the parameters its dict holds under a second name."""
+    return layout.ties + (layout.dicts[0].aliases if layout.dicts else ())
 
 
 def global_params(layout: ModelLayout) -> Iterator[tuple[int, int, int]]:
@@ -131,14 +137,23 @@ def analyze_model(shards: Sequence[Mapping[str, Any]], labels: Sequence[str], fi
     except ReshardError as e:
         hint = missing_shards_hint(shards)  # instead of the question, where the files say
         raise ReshardError(str(e).removesuffix(f"; {_COMPLETE}") + hint if hint else str(e)) from None
-    ties += _aliases(models, key_maps, flat_params, forms[0], ties)
     layout = ModelLayout(tuple(labels), forms[0], flat_params, padded, kept, ties, metas[0], first)
     dicts = [_param_dict(layout, models, key_maps, ("model",))]
     for name in MIRRORS:  # checked on every input to hold the flat parameters as `model` does
         mirrors = [s["extra_state"].get(name) if isinstance(s.get("extra_state"), Mapping) else None for s in shards]
-        if isinstance(mirrors[0], Mapping):  # else not a mirror: carried from input 0 like other extra_state
-            maps = [_key_map(entries, label, f"extra_state['{name}']") for entries, label in zip(mirrors, labels)]
+        where, other = f"extra_state['{name}']", next((r for r, m in enumerate(mirrors) if isinstance(m, Mapping)), 0)
+        if other:  # input 0's is not a mirror, another's is
+            kind = "tensor" if is_tensor(mirrors[0]) else type(mirrors[0]).__name__
+            raise ReshardError(f"{labels[0]}: {where} is a {kind}, unlike {labels[other]}'s dict laid out like model; "
+                               "the shards come from different runs")
+        if isinstance(mirrors[0], Mapping):  # else (on every input) not a mirror: carried like other extra_state
+            maps = [_key_map(entries, label, where) for entries, label in zip(mirrors, labels)]
             dicts.append(_param_dict(layout, mirrors, maps, ("extra_state", name)))
+            own = {dst for _, dst in dicts[-1].aliases}
+            for src, dst in (t for t in dicts[0].aliases if t[1] not in own and t[1] in maps[0]):
+                raise ReshardError(f"{labels[0]}: {where}['{dst}'] is a tensor of its own, but model holds it as "
+                                   f"'{src}' (tied in an instance with flatten_parameters=False); {where} must hold "
+                                   "it as model does, one tensor under both names, to be resharded")
     return dataclasses.replace(layout, dicts=tuple(dicts))
 
 
@@ -374,9 +389,10 @@ def _param_dict(layout: ModelLayout, dicts: Sequence[Mapping[str, Any]], maps: S
         # A flat parameter that holds no parameters has no elements: any tensor's dtype.
         tensor = dicts[0][spans[0].path[-1]] if spans else next(v for v in dicts[0].values() if is_tensor(v))
         dtypes.append(tensor.dtype)
-    taken = ({n for fp in layout.flat_params for n in fp.names} if layout.unflattened else
-             {fp.key for fp in layout.flat_params}) | {dst for _, dst in layout.ties}
+    aliases = _aliases(dicts, maps, layout.flat_params, layout.unflattened, layout.ties)
+    taken = ({n for fp in layout.flat_params for n in fp.names} | {dst for _, dst in layout.ties} if layout.unflattened
+             else {fp.key for fp in layout.flat_params}) | {dst for _, dst in aliases}
     values = {clean: (actual, dicts[0][actual]) for clean, actual in maps[0].items() if clean not in taken}
     extras = tuple(Extra(clean, actual, value.shape, value.dtype) if is_tensor(value) else
                    Extra(clean, actual, None, None) for clean, (actual, value) in values.items())
-    return ParamDict(tuple(root), tuple(sources), tuple(dtypes), extras)
+    return ParamDict(tuple(root), tuple(sources), tuple(dtypes), extras, aliases)

@@ -487,9 +487,8 @@ def _assemble_dict(model: ModelLayout, held: ParamDict, options: ReshardOptions,
     for fp in model.flat_params:
         for key in fp.names if options.unflatten_weights else (fp.key,):
             out[key] = tensors[(*held.root, key)]
-    for src, dst in model.ties:  # the same tensor: saved once, loaded as a tie (flat: of an unflat instance, as FSDP)
-        if src in out:
-            out[dst] = out[src]
+    for src, dst in (*(model.ties if options.unflatten_weights else ()), *held.aliases):  # the same tensor: saved
+        out[dst] = out[src]  # once, loaded as a tie
     for extra in held.extras:
         out[extra.key] = tensors[(*held.root, extra.key)] if extra.shape is not None else value0[extra.actual_key]
     return out

@@ -18,6 +18,7 @@ from collections import Counter
 from metaseq.errors import CheckpointLoadError, ReshardError
 from metaseq.file_io import check_checkpoint_crc
 from metaseq.reshard.compare import compare_tensor_sets, tensor_set_from_source
+from metaseq.reshard.layout import all_ties
 from metaseq.reshard.options import ReshardOptions
 from metaseq.reshard.plan import Plan, analyze_inputs, read_inputs
 from metaseq.reshard.ranges import shard_range
@@ -70,7 +71,8 @@ def _verify_part(plan: Plan, part: int) -> Counter:
     planned, paths = outs[0].source or plan.source, [out.path for out in outs]
     files = read_inputs(paths, trust=opts.trust_checkpoint)
     found = analyze_inputs([f.structure for f in files], paths, ReshardOptions(), written=True)
-    ours, theirs = ((form, [(fp.key, fp.names, fp.shapes) for fp in s.model.flat_params], s.model.ties, s.optim is None)
+    ours, theirs = ((form, [(fp.key, fp.names, fp.shapes) for fp in s.model.flat_params], all_ties(s.model),
+                     s.optim is None)
                     for form, s in ((found.model.unflattened, found), (opts.unflatten_weights, planned)))
     facts = ("form", "flat parameters", "ties", "optimizer state")
     differ = [what for what, a, b in zip(facts, ours, theirs) if a != b]

@@ -55,6 +55,11 @@ torch's legacy (non-zip) format are loaded with torch into memory. --num-workers
 writes K outputs at once, in K threads (default: one per CPU).
 """
 
+TRUST_HELP = ("only for inputs in torch's legacy (non-zip) format, which torch.load reads: let it load classes outside "
+              "the checkpoint format, which can run code, so only for files you trust. Other inputs never need it: "
+              "objects of any class are carried without being loaded")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrorParser(
         prog="python -m metaseq.scripts.reshard_fsdp",
@@ -78,10 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--drop-metaseq-req", action="store_true",
                         help="set extra_state['train_iterator'] to None (the data position)")
     parser.add_argument("--overwrite", action="store_true", help="replace existing output files")
-    parser.add_argument("--trust-checkpoint", action="store_true",
-                        help="only for inputs in torch's legacy (non-zip) format, which torch.load reads: let it "
-                        "load classes outside the checkpoint format, which can run code, so only for files you "
-                        "trust. Other inputs never need it: objects of any class are carried without being loaded")
+    parser.add_argument("--trust-checkpoint", action="store_true", help=TRUST_HELP)
     parser.add_argument("--verify", action="store_true",
                         help="check the inputs' CRC32s before writing, then re-read the outputs and check every "
                         "tensor is bit-identical to the inputs (reads the inputs twice more, the outputs once)")

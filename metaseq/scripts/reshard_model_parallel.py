@@ -15,7 +15,7 @@ import sys
 
 from metaseq.cli_logging import OneLineErrorParser, add_bool_flag, positive_int
 from metaseq.reshard.options import DTYPES
-from metaseq.scripts.reshard_fsdp import run_main, run_reshard
+from metaseq.scripts.reshard_fsdp import TRUST_HELP, run_main, run_reshard
 
 __all__ = ["build_parser", "main"]
 
@@ -70,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="cast floating-point model weights and buffers (never optimizer state); refused "
                         "where a finite value would become inf (beyond fp16's +-65504)")
     parser.add_argument("--overwrite", action="store_true", help="replace existing output files")
+    parser.add_argument("--trust-checkpoint", action="store_true", help=TRUST_HELP)
     parser.add_argument("--verify", action="store_true",
                         help="store CRC32s in the outputs, then re-read them and check every tensor against the inputs")
     parser.add_argument("--num-workers", type=positive_int, default=None, metavar="K",
