@@ -243,9 +243,9 @@ def _aliases(models: Sequence[Mapping[str, Any]], key_maps: Sequence[Mapping[str
              flat_params: Sequence[FlatParam], unflattened: bool, ties: Sequence[tuple[str, str]]) -> tuple:
     """(src, dst) of each other model entry that views a parameter's tensor (one storage, offset, shape, stride) on
     every input: a parameter tied in an instance with flatten_parameters=False, which FSDP's local_state_dict holds
-    under both names and shard_metadata lists once (with no shared_param_info), or such a tie consolidated."""
-    params = [n for fp in flat_params for n in fp.names] if unflattened else [
-        fp.key for fp in flat_params if not fp.flattened]
+    under both names and shard_metadata lists once (with no shared_param_info), or such a tie consolidated (a
+    flat parameter's cannot be written flat so: shared_param_info records those)."""
+    params = [n for fp in flat_params if not fp.flattened for n in (fp.names if unflattened else (fp.key,))]
     taken = {*params, *(fp.key for fp in flat_params), *(dst for _, dst in ties)}
     views = [{_view(model[key_map[name]]): name for name in reversed(params)}  # the first name of a view
              for model, key_map in zip(models, key_maps)]
