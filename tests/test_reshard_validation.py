@@ -590,6 +590,22 @@ def test_an_ema_mirror_whose_flat_tensor_has_another_length_is_refused(tmp_path:
                     "resharded")
 
 
+def test_a_consolidated_tie_that_shard_metadata_does_not_record_reshards(tmp_path: Path) -> None:
+    """The tied head is the embedding's tensor, but shard_metadata has no shared_param_info (edited, or another
+    tool's): not taken for a tie FSDP's flat shards cannot hold; the flat parameters come out as with the tie."""
+    path = tmp_path / "c.pt"
+    assert main(["--input", _write(tmp_path), "--output", str(path), "--unflatten-weights", "--quiet"]) == 0
+    consolidated = load_checkpoint(path)
+    for instance in consolidated["shard_metadata"]["param_metadata"]:
+        instance["shared_param_info"] = []
+    torch.save(consolidated, tmp_path / "untied.pt")
+    for name in ("c.pt", "untied.pt"):
+        assert main(_args(str(tmp_path / name), tmp_path / name[:-3], "--num-output-shards", "2", "--quiet")) == 0
+    for i in (0, 1):
+        tied, untied = (load_checkpoint(tmp_path / name / "out" / f"shard{i}.pt")["model"] for name in ("c", "untied"))
+        assert all(torch.equal(tied[k], untied[k]) for k in tied)
+
+
 def test_a_consolidated_weight_whose_shape_was_changed_is_refused(tmp_path: Path, capsys) -> None:
     path = tmp_path / "c.pt"
     assert main(["--input", _write(tmp_path), "--output", str(path), "--unflatten-weights", "--quiet"]) == 0
