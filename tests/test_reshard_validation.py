@@ -586,8 +586,8 @@ def test_an_ema_mirror_whose_flat_tensor_has_another_length_is_refused(tmp_path:
         ema["flat_param_0"] = ema["flat_param_0"][:-1].clone()
     line = _fails(tmp_path, capsys, _args(_write(tmp_path, _with_ema(shorten)), tmp_path, "--num-output-shards", "2"))
     assert line == (f"ERROR: {tmp_path / 'ckpts' / SHARD.format(2)}: extra_state['ema']['flat_param_0'] is [6], "
-                    "not [7] like model's; extra_state['ema'] must hold the flat parameters exactly as model does to be "
-                    "resharded")
+                    "not [7] like model's; extra_state['ema'] must hold the flat parameters exactly as model does "
+                    "to be resharded")
 
 
 def test_a_consolidated_tie_that_shard_metadata_does_not_record_reshards(tmp_path: Path) -> None:
