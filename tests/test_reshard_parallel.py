@@ -324,12 +324,14 @@ def test_ranks_given_other_flags_are_refused_naming_the_flag(tmp_path: Path) -> 
     assert not (tmp_path / "out").exists()
 
 
-def test_a_rank_that_dies_is_reported_in_one_line(parts_dir: Path, tmp_path: Path) -> None:
-    """Rank 1 joins and is gone before the ranks plan: rank 0 says so in one line and writes nothing."""
+@pytest.mark.parametrize("after", ["dist.barrier()\ndist.new_group()\n", ""],  # as the tool's ranks join, or not
+                         ids=["before-planning", "right-after-joining"])
+def test_a_rank_that_dies_is_reported_in_one_line(parts_dir: Path, tmp_path: Path, after: str) -> None:
+    """Rank 1 joins and is gone before the ranks plan (or at once, while rank 0 makes the process group it plans
+    in, which waits for every rank): rank 0 says so in one line and writes nothing."""
     port = _free_port()
     dies = ("import torch.distributed as dist, os\n"
-            "dist.init_process_group('gloo', init_method='env://', rank=1, world_size=2)\n"
-            "dist.new_group()\nos._exit(1)\n")
+            f"dist.init_process_group('gloo', init_method='env://', rank=1, world_size=2)\n{after}os._exit(1)\n")
     procs = [_rank(0, REPO, port, ["-m", "metaseq.scripts.reshard_fsdp", "--input", _pattern(parts_dir), "--output",
                                    str(tmp_path / "out" / "s{i}.pt"), "--quiet"]),
              _rank(1, REPO, port, ["-c", dies])]

@@ -121,6 +121,10 @@ def open_world(world: World) -> bool:
         raise ReshardError(f"{world.launcher} rank {world.rank} of {world.size}: the ranks did not all join at "
                            f"{where} within {JOIN_TIMEOUT.total_seconds():.0f} s ({text}); check that all "
                            f"{world.size} started and reach rank 0's host") from None
+    try:
+        dist.barrier()  # on the joining timeout: a rank gone right after joining would leave new_group waiting 12 h
+    except RuntimeError as e:
+        raise _gone(world, e) from None
     _group = dist.new_group(timeout=TIMEOUT)
     return True
 
@@ -174,9 +178,13 @@ def _gather(world: World, value: Any) -> list:
     try:
         dist.all_gather_object(values, value, group=_group)
     except RuntimeError as e:
-        raise ReshardError(f"rank {world.rank} of {world.size}: another rank stopped (killed?) before the ranks "
-                           f"agreed ({one_line_error(e)[:200]}); see its log, then run again") from None
+        raise _gone(world, e) from None
     return values
+
+
+def _gone(world: World, e: RuntimeError) -> ReshardError:
+    return ReshardError(f"rank {world.rank} of {world.size}: another rank stopped (killed?) before the ranks agreed "
+                        f"({one_line_error(e)[:200]}); see its log, then run again")
 
 
 def barrier() -> None:
