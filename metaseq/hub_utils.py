@@ -24,13 +24,13 @@ import math
 import os
 import re
 import tempfile
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Collection, Mapping
 
 import torch
 import torch.nn.functional as F
 
-from metaseq.errors import UserError
+from metaseq.errors import UserError, check_field_types
 from metaseq.file_io import (find_shards, folder_hint, glob_files, is_glob, load_checkpoint, model_part_number,
                              shard_glob)
 from metaseq.hf.errors import ConversionError
@@ -85,11 +85,7 @@ class GenerationConfig:
 
     def validate(self) -> None:
         """Raise ValueError naming the flag to change."""
-        for f in fields(self):  # the annotated types (an int is a float too)
-            value, kinds = getattr(self, f.name), {"int": int, "float": (int, float), "bool": bool}[f.type]
-            if not isinstance(value, kinds) or type(value) is bool and f.type != "bool":
-                wanted = {"int": "an integer", "float": "a number", "bool": "True or False"}[f.type]
-                raise ValueError(f"--{f.name.replace('_', '-')}={value!r}: must be {wanted}")
+        check_field_types(self, ValueError)
         if self.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens={self.max_new_tokens} must be at least 1")
         if not 0 < self.temperature < math.inf:

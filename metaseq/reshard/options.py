@@ -9,14 +9,12 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
-from metaseq.errors import ReshardError
+from metaseq.errors import ReshardError, check_field_types
 from metaseq.torchzip import DType, dtype_by_name
 
 __all__ = ["DTYPES", "ReshardOptions"]
 
 DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}  # --output-dtype: torch dtype names
-_TYPES = {"str": str, "int": int, "bool": bool, "None": type(None)}
-_WHAT = {"str": "a string", "int": "an integer", "bool": "True or False", "None": "None"}
 
 
 @dataclass(frozen=True)
@@ -42,11 +40,7 @@ class ReshardOptions:
         for name in ("input_glob_pattern", "output_shard_name"):  # a Path too; '~' as the shell would, also quoted
             if isinstance(getattr(self, name), (str, os.PathLike)):
                 object.__setattr__(self, name, os.path.expanduser(getattr(self, name)))
-        for f in fields(self):  # the annotated types, as the library's callers may pass anything
-            value, kinds = getattr(self, f.name), tuple(_TYPES[t] for t in f.type.split(" | "))
-            if not isinstance(value, kinds) or type(value) is bool and bool not in kinds:
-                what = " or ".join(_WHAT[t] for t in f.type.split(" | "))
-                raise ReshardError(f"--{f.name.replace('_', '-')}={value!r}: must be {what}")
+        check_field_types(self, ReshardError)
         if self.num_output_shards < 1:
             raise ReshardError(f"--num-output-shards={self.num_output_shards}: must be at least 1")
         if self.unflatten_weights and self.num_output_shards != 1:
