@@ -30,7 +30,7 @@ from metaseq.reshard.layout import analyze_model, missing_shards_hint
 from metaseq.reshard.model_parallel import global_shapes
 from metaseq.reshard.optim import analyze_optimizer
 from metaseq.reshard.plan import check_rank_order, check_same_save, read_inputs
-from metaseq.reshard.schema import cfg_value, is_tensor
+from metaseq.reshard.schema import cfg_value, is_tensor, last_update
 from metaseq.torchzip import Opaque, Size, read_checkpoint
 
 __all__ = [
@@ -270,12 +270,10 @@ def read_restore_files(restore_file: str, world_size: int, model_parallel_size: 
 def saved_progress(ckpt: Mapping[str, Any]) -> tuple[Any, Any, Any]:
     """(num_updates, samples_seen, previous_training_time) as a training checkpoint holds them (`optimizer_history`,
     `extra_state` and its `train_iterator`); None where absent."""
-    history = ckpt.get("optimizer_history")
-    last = history[-1] if isinstance(history, list) and history and isinstance(history[-1], Mapping) else {}
     extra = ckpt.get("extra_state") if isinstance(ckpt.get("extra_state"), Mapping) else {}
     position = extra.get("train_iterator")
     samples = position.get("samples_seen") if isinstance(position, Mapping) else None
-    return last.get("num_updates"), samples, extra.get("previous_training_time")
+    return last_update(ckpt).get("num_updates"), samples, extra.get("previous_training_time")
 
 
 def _missing_shards(files: list[str]) -> str:

@@ -32,7 +32,8 @@ from metaseq.reshard.optim import (OptimLayout, analyze_optimizer, assemble_cons
 from metaseq.reshard.model_parallel import check_parts_fit, cut_model_parts, global_shapes
 from metaseq.reshard.options import ReshardOptions
 from metaseq.reshard.ranges import OutTensor, Run, plan_range
-from metaseq.reshard.schema import OPTIM, cfg_fields, cfg_value, is_omegaconf, is_tensor, resolve, tensors_in
+from metaseq.reshard.schema import (OPTIM, cfg_fields, cfg_value, is_omegaconf, is_tensor, last_update, resolve,
+                                    tensors_in)
 from metaseq.torchzip import (Copy, DType, NeedsTorch, Opaque, Size, Storage, TensorRef, from_torch,
                               read_checkpoint)
 
@@ -337,10 +338,8 @@ def analyze_inputs(structures: Sequence[Mapping[str, Any]], labels: Sequence[str
 def saved_at(structure: Mapping[str, Any]) -> tuple[Any, Any, Any]:
     """(update, seed, run id) of the save a file comes from, where it says (`optimizer_history`, `cfg`,
     `extra_state['run_id']`, which metaseq.cli.train writes); else None."""
-    history = structure.get("optimizer_history")
-    last = history[-1] if isinstance(history, list) and history and isinstance(history[-1], Mapping) else {}
     extra = structure.get("extra_state")
-    marks = (last.get("num_updates"), cfg_value(structure.get("cfg"), "common", "seed"),
+    marks = (last_update(structure).get("num_updates"), cfg_value(structure.get("cfg"), "common", "seed"),
              extra.get("run_id") if isinstance(extra, Mapping) else None)
     return tuple(m if isinstance(m, (int, str)) else None for m in marks)  # plain values (not tensors)
 

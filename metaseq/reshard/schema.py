@@ -11,7 +11,7 @@ from typing import Any, Iterator, Mapping, Sequence, TypedDict
 from metaseq.torchzip import Opaque, Size, TensorRef
 
 __all__ = ["Checkpoint", "FlatOptimizerState", "InstanceMetadata", "ParamMetadata", "ShardMetadata", "cfg_fields",
-           "cfg_value", "clean_key", "is_omegaconf", "is_tensor", "join_key", "resolve", "tensors_in"]
+           "cfg_value", "clean_key", "is_omegaconf", "is_tensor", "join_key", "last_update", "resolve", "tensors_in"]
 
 WRAPPER_SEGMENTS = frozenset({"_fsdp_wrapped_module", "_fpw_module"})
 OPTIM = "last_optimizer_state"
@@ -82,6 +82,12 @@ def tensors_in(obj: Any) -> Iterator[TensorRef]:
     elif isinstance(obj, (dict, list, tuple)):
         for value in obj.values() if isinstance(obj, dict) else obj:
             yield from tensors_in(value)
+
+
+def last_update(structure: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The last entry of a checkpoint's `optimizer_history` (num_updates, lr scheduler state, ...); {} where none."""
+    history = structure.get("optimizer_history")
+    return history[-1] if isinstance(history, list) and history and isinstance(history[-1], Mapping) else {}
 
 
 def resolve(obj: Any, path: Sequence[Any]) -> Any:
