@@ -16,7 +16,6 @@ import os
 import re
 import secrets
 import shutil
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator, Sequence
@@ -34,8 +33,6 @@ logger = logging.getLogger(__name__)
 # Types this project's checkpoints may contain besides tensors and builtins.
 SAFE_GLOBALS = [argparse.Namespace]
 
-_UMASK = os.umask(0o022)  # read once, while importing (single-threaded): os.umask can only be read by setting it
-os.umask(_UMASK)
 _PART_RE = re.compile(r"model_part-(\d+)")
 _TEMP_RE = re.compile(r"\.(.+)\.[a-z0-9_]{8}\.tmp", re.DOTALL)  # .STEM.<pid>.<random>.tmp, or without the pid
 _SHARD_RE = re.compile(r"shard(\d+)")
@@ -258,19 +255,12 @@ def atomic_output(path: str | os.PathLike, *, replace: bool = True, clean: bool 
     path.parent.mkdir(parents=True, exist_ok=True)  # Path("name.pt").parent is Path(".")
     if clean:
         remove_stale_temp_files(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{_temp_stem(path.name)}.{os.getpid()}.", suffix=".tmp", dir=path.parent)
-    try:
-        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes it 0600; permissions as `open` would give
-        with os.fdopen(fd, "w+b") as f:
+    tmp = _temp_name(path)
+    with _renamed_into_place(tmp, path, replace):
+        with open(tmp, "x+b") as f:  # a new file, permissions as `open` gives them
             yield f
             f.flush()
             os.fsync(f.fileno())
-        _rename(tmp, path, replace)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    _sync_folder(path.parent)
 
 
 def atomic_link(src: str | os.PathLike, path: str | os.PathLike) -> None:
@@ -278,15 +268,28 @@ def atomic_link(src: str | os.PathLike, path: str | os.PathLike) -> None:
     it), renamed over `path`; a copy through `atomic_output` where the file system has no hard links."""
     path = Path(path)
     remove_stale_temp_files(path)
-    tmp = path.parent / f".{_temp_stem(path.name)}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    tmp = _temp_name(path)
     try:
         os.link(src, tmp)
     except OSError:  # no hard links here (EPERM, EXDEV, ENOSYS, ...): a copy, which says what else is wrong
         with open(src, "rb") as f, atomic_output(path) as out:
             shutil.copyfileobj(f, out, 16 << 20)
         return
+    with _renamed_into_place(tmp, path):
+        pass
+
+
+def _temp_name(path: Path) -> Path:
+    """A new temp file name beside `path`: `.NAME.<pid>.<random>.tmp`."""
+    return path.parent / f".{_temp_stem(path.name)}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+
+
+@contextlib.contextmanager
+def _renamed_into_place(tmp: Path, path: Path, replace: bool = True) -> Iterator[None]:
+    """After the block, `tmp` renamed to `path` (see `_rename`) and the folder fsync-ed; on any error `tmp` removed."""
     try:
-        os.replace(tmp, path)
+        yield
+        _rename(tmp, path, replace)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
@@ -306,7 +309,7 @@ def _sync_folder(folder: Path) -> None:
         os.close(dir_fd)
 
 
-def _rename(tmp: str, path: Path, replace: bool) -> None:
+def _rename(tmp: Path, path: Path, replace: bool) -> None:
     """`tmp` renamed to `path`; without `replace` never over a file (a hard link, then the temp name removed; where
     the file system has no hard links, a check just before the rename)."""
     if replace:

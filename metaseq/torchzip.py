@@ -141,6 +141,11 @@ class Storage:
         source, offset = self.locate(0) if size else (b"", 0)
         return bytes(read_at(source, offset + start, size))
 
+    def same_bytes(self, other: Storage) -> bool:
+        """Whether two storages hold the same bytes (compared WINDOW_BYTES at a time)."""
+        windows = [(start, min(WINDOW_BYTES, self.nbytes - start)) for start in range(0, self.nbytes, WINDOW_BYTES)]
+        return self.nbytes == other.nbytes and all(self.read(*w) == other.read(*w) for w in windows)
+
 
 @dataclass(eq=False)
 class TensorRef:

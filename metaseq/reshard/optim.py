@@ -147,8 +147,8 @@ def differing_settings(first: Mapping[str, Any], other: Mapping[str, Any]) -> li
         ours.pop("param_groups"), theirs.pop("param_groups"))) if isinstance(g, Mapping) and isinstance(h, Mapping)
         for k in {**g, **h}]
     pairs += [(key, ours.get(key), theirs.get(key)) for key in {**ours, **theirs}]
-    return [(name, b, a) for name, a, b in pairs if pickle_bytes(a) != pickle_bytes(b) or any(
-        x.storage.read() != y.storage.read() for x, y in zip(tensors_in(a), tensors_in(b)))]  # small: settings
+    return [(name, b, a) for name, a, b in pairs if pickle_bytes(a) != pickle_bytes(b) or not all(
+        x.storage.same_bytes(y.storage) for x, y in zip(tensors_in(a), tensors_in(b)))]
 
 
 def _check_state_order(model_dict: Mapping[str, Any], model: ModelLayout) -> None:

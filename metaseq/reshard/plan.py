@@ -392,16 +392,10 @@ def _check_not_copies(structures: Sequence[Mapping[str, Any]], labels: Sequence[
         storages = list({id(t.storage): t.storage for t in tensors_in(structure) if t.storage.nbytes}.values())
         key = tuple((s.nbytes, s.read(0, min(s.nbytes, 4096))) for s in storages)
         for other, theirs in seen.get(key, []) if storages else ():
-            if all(_same_bytes(a, b) for a, b in zip(storages, theirs)):
+            if all(a.same_bytes(b) for a, b in zip(storages, theirs)):
                 raise ReshardError(f"{label} and {other} hold the same bytes (their cfg does not say which rank saved "
                                    "each): one is a copy of the other; use the files of one save")
         seen.setdefault(key, []).append((label, storages))
-
-
-def _same_bytes(a: Storage, b: Storage, window: int = 16 << 20) -> bool:
-    """Whether two storages of one size hold the same bytes (read a window at a time)."""
-    windows = ((start, min(window, a.nbytes - start)) for start in range(0, a.nbytes, window))
-    return all(a.read(start, size) == b.read(start, size) for start, size in windows)
 
 
 def output_tensors(source: Source, options: ReshardOptions, rank: int) -> list[OutTensor]:
