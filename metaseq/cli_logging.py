@@ -67,8 +67,7 @@ def _raise_terminated(signum: int, frame: object) -> None:
 def sigterm_raises() -> Iterator[None]:
     """Inside the block, SIGTERM raises `Terminated` (in the main thread, where Python takes signals; elsewhere
     this does nothing). Processes forked inside it inherit the handler: reset it there if they must die as usual."""
-    main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _raise_terminated) if main else None
+    previous = signal.signal(signal.SIGTERM, _raise_terminated) if _in_main_thread() else None
     try:
         yield
     finally:
@@ -89,7 +88,7 @@ def run_cli(
     only when the parser has `--quiet` and it is given) and return its exit status (None: 0),
     or 2 after reporting any error through `logger` as one line, without a traceback. SIGTERM
     (exit 2) and Ctrl-C (exit 130) are one line too, `stopped` appended (e.g. REMOVED)."""
-    with cli_logging(level) as package_logger, sigterm_raises():
+    with _handlers_restored(), cli_logging(level) as package_logger, sigterm_raises():
         try:
             args = parser.parse_args(argv)
             if getattr(args, "quiet", False):
@@ -99,12 +98,28 @@ def run_cli(
         except Exception as err:  # noqa: BLE001 -- any error: one line, no traceback
             logger.error("%s", one_line_error(err))
             return 2
-        except Terminated:
-            logger.error("terminated by SIGTERM%s", stopped)
-            return 2
-        except KeyboardInterrupt:
-            logger.error("interrupted%s", stopped)
-            return 130
+        except (Terminated, KeyboardInterrupt) as stop:
+            for signum in (signal.SIGINT, signal.SIGTERM) if _in_main_thread() else ():  # another, while this one
+                signal.signal(signum, signal.SIG_IGN)  # is reported, would print a traceback
+            terminated = isinstance(stop, Terminated)
+            logger.error("%s%s", "terminated by SIGTERM" if terminated else "interrupted", stopped)
+            return 2 if terminated else 130
+
+
+@contextlib.contextmanager
+def _handlers_restored() -> Iterator[None]:
+    """SIGINT's and SIGTERM's handlers as they were when the block started, put back when it ends."""
+    saved = [(s, signal.getsignal(s)) for s in (signal.SIGINT, signal.SIGTERM)] if _in_main_thread() else []
+    try:
+        yield
+    finally:
+        for signum, handler in saved:
+            if handler is not None:  # None: not set from Python, which cannot be put back
+                signal.signal(signum, handler)
+
+
+def _in_main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
 
 
 def parse_bool(text: str) -> bool:

@@ -340,10 +340,10 @@ class _WriteErrorRecorder:
             raise
 
 
-def remove_stale_temp_files(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> None:
+def remove_stale_temp_files(paths: str | os.PathLike | Sequence[str | os.PathLike], *, ours: bool = False) -> None:
     """Remove the temp files of `paths` (one, or many: each folder is listed once) whose writer died:
-    `.NAME.<pid>.<random>.tmp` whose pid no longer runs on this host, and `.NAME.<random>.tmp` of older versions,
-    which carry no pid."""
+    `.NAME.<pid>.<random>.tmp` whose pid no longer runs on this host (with `ours`, also this process's: its writers
+    are done), and `.NAME.<random>.tmp` of older versions, which carry no pid."""
     by_folder: dict[Path, set[str]] = {}
     for path in [paths] if isinstance(paths, (str, os.PathLike)) else paths:
         by_folder.setdefault(Path(path).parent, set()).add(_temp_stem(Path(path).name))
@@ -356,7 +356,7 @@ def remove_stale_temp_files(paths: str | os.PathLike | Sequence[str | os.PathLik
             match = _TEMP_RE.fullmatch(name)
             stem, _, pid = match.group(1).rpartition(".") if match else ("", "", "")
             if not match or match.group(1) not in stems and (stem not in stems or not re.fullmatch(r"\d+", pid)
-                                                             or _pid_alive(int(pid))):
+                                                             or _pid_alive(int(pid), ours)):
                 continue  # not a temp file of `paths` (or of one without a pid), or its writer runs
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(folder / name)
@@ -372,7 +372,9 @@ def _temp_stem(name: str) -> str:
     return name.encode()[:200].decode(errors="ignore") + "~" + digest
 
 
-def _pid_alive(pid: int) -> bool:
+def _pid_alive(pid: int, ours: bool = False) -> bool:
+    if ours and pid == os.getpid():
+        return False
     try:
         os.kill(pid, 0)
     except OSError as e:  # EPERM: it exists, owned by someone else

@@ -69,24 +69,42 @@ class TiedLayers(ThreeLayers):
         return self.post(torch.tanh(self.blk(torch.tanh(self.pre(x) + self.twin(x))))).pow(2).sum()
 
 
+class UnevenPair(torch.nn.Module):
+    """Two flat parameters of 12 and 11 elements: 6 per rank at world size 2, with padding only in the second."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = torch.nn.Linear(5, 2), torch.nn.Linear(10, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (torch.tanh(self.a(x)).sum() + self.b(torch.cat([x, x], 1)).sum()).pow(2)
+
+
 def wrap_other_ways(kind: str):
     """"noflat": one FSDP instance with flatten_parameters=False (every parameter sharded on its own); "tied": the
     same with two weights tied (FSDP's local_state_dict holds the tied one under both names, its shard_metadata
     once); "mixed": such a root around `blk` in an instance of its own with flat parameters, so the root's
-    parameters lie around it."""
+    parameters lie around it; "reversed": `UnevenPair` with `b` nested, flat (the optimizer is given its parameters
+    in reverse)."""
     from fairscale.nn import FullyShardedDataParallel as FSDP
 
     model, kwargs = TiedLayers() if kind == "tied" else ThreeLayers(), dict(compute_device=torch.device("cpu"),
                                                                             bucket_cap_mb=0)
     if kind == "mixed":
         model.blk = FSDP(model.blk, flatten_parameters=True, **kwargs)
+    if kind == "reversed":
+        model = UnevenPair()
+        model.b = FSDP(model.b, **kwargs)
+        return FSDP(model, **kwargs)
     return FSDP(model, flatten_parameters=False, **kwargs)
 
 
 def train_other_way(rank: int, world_size: int, kind: str, shard_pattern: str, full_path: str) -> None:
     """Two Adam steps of `wrap_other_ways(kind)`; every rank saves its shard, rank 0 also the full state dict."""
     model = wrap_other_ways(kind)
-    optim = torch.optim.Adam(model.parameters(), lr=0.01)
+    params = list(model.parameters())
+    optim = torch.optim.Adam(params[::-1] if kind == "reversed" else params, lr=0.01)
     for step in range(2):
         optim.zero_grad()
         model(torch.linspace(-1, 1, 10).view(2, 5) * (rank + step + 1)).backward()

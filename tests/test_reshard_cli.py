@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -248,13 +250,14 @@ def test_python_m_entry_point_runs(shard_dir: Path, tmp_path: Path) -> None:
 
 
 def test_outputs_are_readable_like_any_new_file(shard_dir, tmp_path: Path) -> None:
-    """Temp files are created 0600; outputs get the permissions the umask gives, like `cp` or torch.save."""
-    import metaseq.file_io as file_io
-
-    assert main(["--input", _pattern(shard_dir), "--output", str(tmp_path / "o{i}.pt"),
-                 "--num-output-shards", "2", "--quiet"]) == 0
-    assert file_io._UMASK == os.umask(file_io._UMASK)  # what this process's umask is
-    assert (tmp_path / "o1.pt").stat().st_mode & 0o777 == 0o666 & ~file_io._UMASK != 0o600
+    """Outputs get the permissions the umask gives (temp files not 0600), like `cp` or torch.save."""
+    previous = os.umask(0o027)
+    try:
+        assert main(["--input", _pattern(shard_dir), "--output", str(tmp_path / "o{i}.pt"),
+                     "--num-output-shards", "2", "--quiet"]) == 0
+    finally:
+        os.umask(previous)
+    assert (tmp_path / "o1.pt").stat().st_mode & 0o777 == 0o640
 
 
 @pytest.mark.parametrize("name", ["o/s{i}.pt", "o/run7-s{i}.pt", "o/{i}/shard.pt"])
@@ -303,3 +306,17 @@ def test_a_nan_step_on_every_rank_is_one_value_not_a_mismatch(tmp_path: Path) ->
                  "--quiet"]) == 0
     steps = load_checkpoint(str(out).format(i=2))["last_optimizer_state"]["state"][0]["step"]
     assert steps != steps
+
+
+@pytest.mark.parametrize("tool", ["metaseq.scripts.compare_checkpoints", "metaseq.cli.train"])
+def test_a_ctrl_c_while_a_tool_starts_is_one_line(tool: str) -> None:
+    """These tools import torch (a second or more) before their main() runs: a Ctrl-C then is one line, status
+    130, not an import's traceback (nor swallowed by torch's import); one after the tool is done changes nothing."""
+    for delay in (0.5, 1.0, 1.6):
+        proc = subprocess.Popen([sys.executable, "-m", tool, "--help"], cwd=REPO, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True)
+        time.sleep(delay)
+        proc.send_signal(signal.SIGINT)
+        err = proc.communicate(timeout=60)[1]
+        stopped = proc.returncode == 130 and len(err.splitlines()) == 1 and "ERROR" in err and "interrupted" in err
+        assert stopped or (proc.returncode, err) == (0, ""), (delay, proc.returncode, err)

@@ -113,6 +113,19 @@ def test_optimizer_state_of_a_root_kept_unflat_around_a_nested_instance_is_refus
     _assert_equal(torch.load(tmp_path / "full3.pt", weights_only=True), full)
 
 
+def test_optimizer_state_of_parameters_given_out_of_order_is_refused(tmp_path, capsys):
+    """State id 1 is `a`'s (12 elements) where shard_metadata puts `b` (11): 6 per rank both, so only the nonzero
+    moment in what is `b`'s padding tells; read as `b`'s, `a`'s last moment would be dropped."""
+    run_on_ranks(train_other_way, 2, "reversed", str(tmp_path / SHARD), str(tmp_path / "full.pt"))
+    code, err = _reshard(capsys, tmp_path, tmp_path / "three" / SHARD, "--num-output-shards", "3")
+    assert code == 2 and "state[1]['exp_avg']" in err and "'b.flat_param_0'" in err and "order" in err
+    assert "--skip-optimizer-state" in err and len(err.splitlines()) == 1 and not (tmp_path / "three").exists()
+    flags = ("--num-output-shards", "3", "--skip-optimizer-state")
+    assert _reshard(capsys, tmp_path, tmp_path / "three" / SHARD, *flags) == (0, "")
+    run_on_ranks(load_other_way, 3, "reversed", str(tmp_path / "three" / SHARD), str(tmp_path / "full3.pt"))
+    _assert_equal(torch.load(tmp_path / "full3.pt", weights_only=True), torch.load(tmp_path / "full.pt"))
+
+
 def test_optimizer_state_of_a_world_size_1_run_kept_unflat_is_refused(tmp_path, capsys):
     """At world size 1 its weights are whole (unflattened) beside the rank's own optimizer state."""
     run_on_ranks(train_other_way, 1, "noflat", str(tmp_path / SHARD), str(tmp_path / "full.pt"))

@@ -460,6 +460,33 @@ def test_a_signal_while_writing_removes_outputs_and_reports_one_line(parts_dir, 
     assert signal.getsignal(signal.SIGTERM) is handler_before  # main() put the previous handler back
 
 
+def test_a_second_signal_cutting_a_temp_files_clean_up_short_leaves_nothing(tmp_path, monkeypatch, capsys) -> None:
+    """Ctrl-C during the copy, then SIGTERM (a launcher) just as the temp file's own clean-up starts: the run's
+    clean-up still removes that temp file, and the output folder it made."""
+    write_shards(make_shards(make_model(), 2), tmp_path / "in")
+    real_copy, real_unlink, sent = os.copy_file_range, os.unlink, []
+
+    def copy_then_interrupt(*args):
+        if not sent:
+            sent.append(signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_copy(*args)
+
+    def terminated_first(path, *args, **kwargs):
+        if len(sent) == 1 and str(path).endswith(".tmp"):  # the temp file's clean-up, cut short before it unlinks
+            sent.append(signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "copy_file_range", copy_then_interrupt)
+    monkeypatch.setattr(os, "unlink", terminated_first)
+    out = tmp_path / "out" / "new"
+    assert main(["--input", _pattern(tmp_path / "in"), "--output", str(out / "s{i}.pt"), "--num-output-shards", "2",
+                 "--num-workers", "1"]) == 2
+    assert "terminated by SIGTERM" in _error_line(capsys.readouterr().err) and sent == [signal.SIGINT, signal.SIGTERM]
+    assert not (tmp_path / "out").exists(), list((tmp_path / "out").rglob("*"))
+
+
 def test_many_inputs_need_few_open_files(tmp_path: Path) -> None:
     """A 175B checkpoint has ~1000 shards per part; the writer opens one input at a time (limit here: 48 files)."""
     write_shards(make_shards(make_model(), 100), tmp_path / "in")

@@ -22,6 +22,7 @@ import sys
 from typing import Iterator, TextIO
 
 from metaseq.cli_logging import OneLineErrorParser
+from metaseq.cli_start import run_as_main
 from metaseq.errors import UserError
 from metaseq.hf.tokenization import BPETokenizer, TextTokenizer
 from metaseq.hub_utils import GenerationConfig, GeneratorInterface, InferenceLoadError
@@ -193,4 +194,4 @@ def _enable_line_editing() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_as_main(main)

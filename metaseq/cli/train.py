@@ -42,6 +42,7 @@ from metaseq import checkpoint_utils
 from metaseq.cli_logging import (
     OneLineErrorParser, Terminated, non_negative_float, non_negative_int, positive_int, sigterm_raises,
 )
+from metaseq.cli_start import run_as_main
 from metaseq.data import LineDataset, load_lines
 from metaseq.distributed.fsdp import init_distributed, start_ranks
 from metaseq.distributed.model_parallel import (
@@ -438,6 +439,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, UserError) as e:
         logger.error("%s", e)
         return 2
+    except KeyboardInterrupt:
+        logger.error("interrupted")
+        return 130
     try:
         with sigterm_raises():  # the rendezvous folder is removed, and the ranks stop with this process
             launch(cfg)
@@ -458,4 +462,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_as_main(main)

@@ -29,6 +29,8 @@ __all__ = ["OptimLayout", "StateEntry", "analyze_optimizer", "assemble_consolida
 logger = logging.getLogger(__name__)
 
 LAYOUT_KEYS = ("state", "param_id_map", "uncollected_local_ids")
+ZERO_AT_PADDING = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer")  # torch's Adam(W) and SGD: sums of
+# gradients, zero where no gradient reaches (the padding); Adagrad's `sum` starts at initial_accumulator_value
 
 
 def _is_scalar_tensor(value: Any) -> bool:
@@ -205,8 +207,28 @@ def _flat_entry(osds: Sequence[Mapping[str, Any]], model: ModelLayout, k: int, n
     for value, label in zip(values[1:], labels[1:]):
         check_flat_dtype(value.dtype, values[0].dtype, f"{label}: {OPTIM}.state[{k}]['{name}']", f"{labels[0]}'s",
                          fp.key)
+    if name in ZERO_AT_PADDING:
+        _check_zero_padding(values, model, k, name)
     segments = [Span(model.first + r, (OPTIM, "state", k, name), 0, n) for r, n in enumerate(model.kept_lengths[k])]
     return StateEntry(name, segments=Spans(segments), dtype=values[0].dtype)
+
+
+def _check_zero_padding(values: Sequence[TensorRef], model: ModelLayout, k: int, name: str) -> None:
+    """Refuse a state of flat parameter k whose padding holds a nonzero value (-0.0 aside): no gradient reaches the
+    padding, so the state there is zero, unless it is another flat parameter's state, as where the optimizer's
+    state ids do not follow shard_metadata's order (of equal lengths per rank, nothing else tells)."""
+    for value, label, kept, padded in zip(values, model.labels, model.kept_lengths[k], model.padded_lengths[k]):
+        size = value.dtype.itemsize
+        if kept == padded or not value.dtype.is_floating_point or value.stride != (1,):
+            continue
+        data = bytearray(value.storage.read((value.storage_offset + kept) * size, (padded - kept) * size))
+        data[size - 1 :: size] = bytes(b & 0x7F for b in data[size - 1 :: size])  # the sign bits
+        if any(data):
+            raise ReshardError(f"{label}: {OPTIM}.state[{k}]['{name}'] is nonzero in the padding of "
+                               f"flat parameter '{model.flat_params[k].key}', where no gradient reaches: it is another "
+                               "parameter's state, as where the optimizer was given the parameters in another order "
+                               "than the model's (param groups?); build it from model.parameters() in order, or pass "
+                               "--skip-optimizer-state")
 
 
 def _consolidated_entries(osds: Sequence[Mapping[str, Any]], model: ModelLayout) -> dict[int, tuple[StateEntry, ...]]:

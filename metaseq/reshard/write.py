@@ -155,13 +155,14 @@ def missing_folders(paths: Sequence[str]) -> list[str]:
 
 
 def remove_outputs(written: Sequence[str], planned: Sequence[str] = (), folders: Sequence[str] = ()) -> None:
-    """Remove the files written, temp files that killed writers of `planned` paths left, then `folders` left empty
-    (`missing_folders` before the run: one that holds files, e.g. another rank's, stays)."""
+    """Remove the files written, temp files of `planned` paths that killed writers or this process left (a second
+    signal can cut a temp file's own clean-up short), then `folders` left empty (`missing_folders` before the run:
+    one that holds files, e.g. another rank's, stays). Only once this process's writers are done."""
     for path in written:
         with contextlib.suppress(OSError):
             os.unlink(path)
     with contextlib.suppress(OSError):
-        remove_stale_temp_files(planned)
+        remove_stale_temp_files(planned, ours=True)
     for folder in folders:
         with contextlib.suppress(OSError):
             os.rmdir(folder)

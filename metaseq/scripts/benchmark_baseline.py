@@ -12,9 +12,9 @@ from __future__ import annotations
 import argparse
 import glob
 import logging
-import sys
 
 from metaseq.benchmark.reference import load_and_save, load_everything_reshard
+from metaseq.cli_start import run_as_main
 from metaseq.file_io import natural_sort_key
 
 logger = logging.getLogger(__name__)
@@ -57,4 +57,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_as_main(main)

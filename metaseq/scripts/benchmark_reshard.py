@@ -29,6 +29,7 @@ import torch
 
 from metaseq.benchmark import runner, synth
 from metaseq.cli_logging import OneLineErrorParser, positive_float, positive_int, run_cli
+from metaseq.cli_start import run_as_main
 from metaseq.errors import UserError
 
 logger = logging.getLogger("metaseq.scripts.benchmark_reshard")  # not __main__ under -m
@@ -202,4 +203,4 @@ def _limits(args: argparse.Namespace) -> dict[str, float]:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_as_main(main)

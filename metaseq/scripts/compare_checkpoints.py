@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 
 from metaseq.cli_logging import OneLineErrorParser, run_cli
+from metaseq.cli_start import run_as_main
 from metaseq.errors import ReshardError, UserError
 from metaseq.file_io import find_model_parts, find_shards, glob_files, model_part_number
 from metaseq.reshard.compare import (TensorSet, compare_tensor_sets, describe_comparison, open_model_parts,
@@ -90,4 +90,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_as_main(main)

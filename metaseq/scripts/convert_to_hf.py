@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 
 from metaseq.cli_logging import REMOVED, OneLineErrorParser, run_cli
+from metaseq.cli_start import run_as_main
 from metaseq.hf import convert_to_hf
 
 __all__ = ["build_parser", "main"]
@@ -66,4 +66,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_as_main(main)

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from metaseq.cli_start import run_as_main
 from metaseq.data import load_lines
 from metaseq.file_io import load_checkpoint, shard_file_name, shard_glob
 from metaseq.hub_utils import GenerationConfig, GeneratorInterface
@@ -359,4 +360,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_as_main(main)

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 from typing import Callable
 
 from metaseq.cli_logging import REMOVED, OneLineErrorParser, add_bool_flag, positive_int, run_cli
+from metaseq.cli_start import run_as_main
 from metaseq.reshard import ReshardError, ReshardOptions, describe_plan, reshard, reshard_fsdp_checkpoints
 from metaseq.reshard.distributed import World, detect_world
 from metaseq.reshard.options import DTYPES
@@ -131,4 +131,4 @@ def run_main(parser: argparse.ArgumentParser, argv: list[str] | None,
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_as_main(main)

@@ -11,9 +11,9 @@ rules in `metaseq.models.partition` and their bytes copied, optimizer state incl
 from __future__ import annotations
 
 import argparse
-import sys
 
 from metaseq.cli_logging import OneLineErrorParser, add_bool_flag, positive_int
+from metaseq.cli_start import run_as_main
 from metaseq.reshard.options import DTYPES
 from metaseq.scripts.reshard_fsdp import TRUST_HELP, run_main, run_reshard
 
@@ -86,4 +86,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_as_main(main)
