@@ -81,18 +81,31 @@ class UnevenPair(torch.nn.Module):
         return (torch.tanh(self.a(x)).sum() + self.b(torch.cat([x, x], 1)).sum()).pow(2)
 
 
+class TwoWeights(torch.nn.Module):
+    """Two elements: at world size 4, ranks 2 and 3 hold only padding (their files alike)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.tensor([0.5, -0.25]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x.sum(1, keepdim=True) * self.w).pow(2).sum()
+
+
 def wrap_other_ways(kind: str):
     """"noflat": one FSDP instance with flatten_parameters=False (every parameter sharded on its own); "tied": the
     same with two weights tied (FSDP's local_state_dict holds the tied one under both names, its shard_metadata
     once); "mixed": such a root around `blk` in an instance of its own with flat parameters, so the root's
     parameters lie around it; "reversed": `UnevenPair` with `b` nested, flat (the optimizer is given its parameters
-    in reverse)."""
+    in reverse); "tiny": `TwoWeights`, flat."""
     from fairscale.nn import FullyShardedDataParallel as FSDP
 
     model, kwargs = TiedLayers() if kind == "tied" else ThreeLayers(), dict(compute_device=torch.device("cpu"),
                                                                             bucket_cap_mb=0)
     if kind == "mixed":
         model.blk = FSDP(model.blk, flatten_parameters=True, **kwargs)
+    if kind == "tiny":
+        return FSDP(TwoWeights(), **kwargs)
     if kind == "reversed":
         model = UnevenPair()
         model.b = FSDP(model.b, **kwargs)

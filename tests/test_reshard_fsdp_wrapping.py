@@ -126,6 +126,16 @@ def test_optimizer_state_of_parameters_given_out_of_order_is_refused(tmp_path, c
     _assert_equal(torch.load(tmp_path / "full3.pt", weights_only=True), torch.load(tmp_path / "full.pt"))
 
 
+def test_ranks_holding_only_padding_are_not_taken_for_copies(tmp_path, capsys):
+    """Their cfg says no rank and their files are alike (a rank past the model's elements holds zeros): they are
+    read, also as the tool writes them back (4 -> 2 -> 4 -> 2), and load into FSDP."""
+    run_on_ranks(train_other_way, 4, "tiny", str(tmp_path / SHARD), str(tmp_path / "full.pt"))
+    for n, (src, dst) in zip((2, 4, 2), ((tmp_path, "two"), ("two", "four"), ("four", "back"))):
+        assert _reshard(capsys, tmp_path / src, tmp_path / dst / SHARD, "--num-output-shards", str(n)) == (0, "")
+    run_on_ranks(load_other_way, 2, "tiny", str(tmp_path / "back" / SHARD), str(tmp_path / "full2.pt"))
+    _assert_equal(torch.load(tmp_path / "full2.pt", weights_only=True), torch.load(tmp_path / "full.pt"))
+
+
 def test_optimizer_state_of_a_world_size_1_run_kept_unflat_is_refused(tmp_path, capsys):
     """At world size 1 its weights are whole (unflattened) beside the rank's own optimizer state."""
     run_on_ranks(train_other_way, 1, "noflat", str(tmp_path / SHARD), str(tmp_path / "full.pt"))

@@ -17,6 +17,7 @@ import collections
 import copy
 import fnmatch
 import glob
+import itertools
 import logging
 import os
 import re
@@ -321,7 +322,8 @@ def analyze_inputs(structures: Sequence[Mapping[str, Any]], labels: Sequence[str
         raise ReshardError("no input shards")
     check_same_save(structures, labels)
     model = analyze_model(structures, labels, first)
-    check_rank_order(structures, labels, copies=not written)  # after the layout's checks, which say more
+    padding_only = [not any(lengths[r] for lengths in model.kept_lengths) for r in range(len(structures))]
+    check_rank_order(structures, labels, copies=not written, padding_only=padding_only)  # after the layout's checks
     optim = None if options.skip_optimizer_state else analyze_optimizer(structures, model)
     if optim is not None and options.unflatten_weights and optim.num_param_groups != 1:
         raise ReshardError(
@@ -363,13 +365,15 @@ def check_same_save(structures: Sequence[Mapping[str, Any]], labels: Sequence[st
 
 
 def check_rank_order(structures: Sequence[Mapping[str, Any]], labels: Sequence[str], parts: int = 1, *,
-                     copies: bool = True) -> None:
+                     copies: bool = True, padding_only: Sequence[bool] = ()) -> None:
     """Refuse files out of the order of the ranks that saved them, where the files say (cfg's distributed_rank, as
     training and the reshard tools write it; older resharded files all say 0): `structures` part by part, shard i
-    of part j saved by rank i * parts + j (fairscale's model-parallel layout)."""
+    of part j saved by rank i * parts + j (fairscale's model-parallel layout). Else, with `copies`, refuse copies
+    among the files but those `padding_only` (ranks past a small model's elements: alike, and all a copy could be)."""
     ranks = [cfg_value(s.get("cfg"), "distributed_training", "distributed_rank") for s in structures]
     if len(set(ranks)) == 1 or not all(type(r) is int for r in ranks):
-        return _check_not_copies(structures, labels) if len(ranks) > 1 and copies else None
+        held = [(s, label) for s, label, empty in itertools.zip_longest(structures, labels, padding_only) if not empty]
+        return _check_not_copies(*zip(*held)) if len(held) > 1 and copies else None
     first = {}
     for rank, label in zip(ranks, labels):
         if first.setdefault(rank, label) != label:
