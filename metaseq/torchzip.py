@@ -73,6 +73,12 @@ class DType:
     def __repr__(self) -> str:
         return f"torch.{self.name}"
 
+    def unpack(self, data: bytes) -> list[int | float | bool]:
+        """The elements `data` holds, as numbers."""
+        if not self.code:  # bfloat16: the upper half of a float32
+            data = b"".join(b"\0\0" + data[i : i + 2] for i in range(0, len(data), 2))
+        return [v for (v,) in struct.iter_unpack("<" + (self.code or "f"), data)]
+
 
 _DTYPES = [
     DType("float32", 4, True, "FloatStorage", "f"),
@@ -186,8 +192,7 @@ class TensorRef:
         source, offset = self.storage.locate(self.storage_offset) if self.numel() == 1 else ("", 0)
         if isinstance(source, str):
             raise ValueError("value() of a tensor whose bytes were not read")
-        data = bytes(source[offset : offset + self.dtype.itemsize])
-        return struct.unpack("<" + (self.dtype.code or "f"), data if self.dtype.code else b"\0\0" + data)[0]
+        return self.dtype.unpack(bytes(source[offset : offset + self.dtype.itemsize]))[0]
 
     @classmethod
     def empty(cls, shape: Sequence[int], dtype: DType) -> TensorRef:

@@ -97,15 +97,16 @@ def wrap_other_ways(kind: str):
     same with two weights tied (FSDP's local_state_dict holds the tied one under both names, its shard_metadata
     once); "mixed": such a root around `blk` in an instance of its own with flat parameters, so the root's
     parameters lie around it; "reversed": `UnevenPair` with `b` nested, flat (the optimizer is given its parameters
-    in reverse); "tiny": `TwoWeights`, flat."""
+    in reverse); "tiny": `TwoWeights`, flat; "eps0": `ThreeLayers`, flat (its optimizer Adam with eps=0 and weight
+    decay, which makes the padding NaN)."""
     from fairscale.nn import FullyShardedDataParallel as FSDP
 
     model, kwargs = TiedLayers() if kind == "tied" else ThreeLayers(), dict(compute_device=torch.device("cpu"),
                                                                             bucket_cap_mb=0)
     if kind == "mixed":
         model.blk = FSDP(model.blk, flatten_parameters=True, **kwargs)
-    if kind == "tiny":
-        return FSDP(TwoWeights(), **kwargs)
+    if kind in ("tiny", "eps0"):
+        return FSDP(TwoWeights() if kind == "tiny" else model, **kwargs)
     if kind == "reversed":
         model = UnevenPair()
         model.b = FSDP(model.b, **kwargs)
@@ -117,7 +118,8 @@ def train_other_way(rank: int, world_size: int, kind: str, shard_pattern: str, f
     """Two Adam steps of `wrap_other_ways(kind)`; every rank saves its shard, rank 0 also the full state dict."""
     model = wrap_other_ways(kind)
     params = list(model.parameters())
-    optim = torch.optim.Adam(params[::-1] if kind == "reversed" else params, lr=0.01)
+    settings = dict(eps=0.0, weight_decay=0.1) if kind == "eps0" else {}
+    optim = torch.optim.Adam(params[::-1] if kind == "reversed" else params, lr=0.01, **settings)
     for step in range(2):
         optim.zero_grad()
         model(torch.linspace(-1, 1, 10).view(2, 5) * (rank + step + 1)).backward()

@@ -126,6 +126,16 @@ def test_optimizer_state_of_parameters_given_out_of_order_is_refused(tmp_path, c
     _assert_equal(torch.load(tmp_path / "full3.pt", weights_only=True), torch.load(tmp_path / "full.pt"))
 
 
+def test_optimizer_state_nan_in_the_padding_is_read(tmp_path, capsys):
+    """Adam with eps=0 makes the padding's parameter 0 / 0 and, with weight decay, its moments NaN: not another
+    parameter's state (which the padding check looks for), so the shards reshard."""
+    run_on_ranks(train_other_way, 3, "eps0", str(tmp_path / SHARD), str(tmp_path / "full.pt"))
+    assert load_checkpoint(tmp_path / SHARD.format(i=2))["last_optimizer_state"]["state"][0]["exp_avg"][-1].isnan()
+    assert _reshard(capsys, tmp_path, tmp_path / "two" / SHARD, "--num-output-shards", "2") == (0, "")
+    run_on_ranks(load_other_way, 2, "eps0", str(tmp_path / "two" / SHARD), str(tmp_path / "full2.pt"))
+    _assert_equal(torch.load(tmp_path / "full2.pt", weights_only=True), torch.load(tmp_path / "full.pt"))
+
+
 def test_ranks_holding_only_padding_are_not_taken_for_copies(tmp_path, capsys):
     """Their cfg says no rank and their files are alike (a rank past the model's elements holds zeros): they are
     read, also as the tool writes them back (4 -> 2 -> 4 -> 2), and load into FSDP."""

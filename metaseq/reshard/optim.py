@@ -214,16 +214,15 @@ def _flat_entry(osds: Sequence[Mapping[str, Any]], model: ModelLayout, k: int, n
 
 
 def _check_zero_padding(values: Sequence[TensorRef], model: ModelLayout, k: int, name: str) -> None:
-    """Refuse a state of flat parameter k whose padding holds a nonzero value (-0.0 aside): no gradient reaches the
+    """Refuse a state of flat parameter k whose padding holds a nonzero number (NaN aside): no gradient reaches the
     padding, so the state there is zero, unless it is another flat parameter's state, as where the optimizer's
     state ids do not follow shard_metadata's order (of equal lengths per rank, nothing else tells)."""
     for value, label, kept, padded in zip(values, model.labels, model.kept_lengths[k], model.padded_lengths[k]):
         size = value.dtype.itemsize
         if kept == padded or not value.dtype.is_floating_point or value.stride != (1,):
             continue
-        data = bytearray(value.storage.read((value.storage_offset + kept) * size, (padded - kept) * size))
-        data[size - 1 :: size] = bytes(b & 0x7F for b in data[size - 1 :: size])  # the sign bits
-        if any(data):
+        data = value.storage.read((value.storage_offset + kept) * size, (padded - kept) * size)
+        if any(v != 0 and v == v for v in value.dtype.unpack(data)):  # a NaN: the padding's own (Adam with eps=0)
             raise ReshardError(f"{label}: {OPTIM}.state[{k}]['{name}'] is nonzero in the padding of "
                                f"flat parameter '{model.flat_params[k].key}', where no gradient reaches: it is another "
                                "parameter's state, as where the optimizer was given the parameters in another order "
