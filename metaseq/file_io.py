@@ -26,7 +26,8 @@ from metaseq.torchzip import NeedsTorch, check_record, read_at, zip_records
 __all__ = ["CheckpointLoadError", "atomic_link", "atomic_output", "atomic_torch_save", "check_checkpoint_crc",
            "check_no_broken_links", "checkpoint_prefix", "find_model_parts", "find_shards", "folder_hint",
            "glob_files", "is_glob", "load_checkpoint", "model_part_number", "natural_sort_key",
-           "pattern_forms", "remove_stale_temp_files", "shard_file_name", "shard_glob", "summarize_paths"]
+           "pattern_forms", "remove_stale_temp_files", "remove_stale_temp_files_in", "shard_file_name", "shard_glob",
+           "summarize_paths"]
 
 logger = logging.getLogger(__name__)
 
@@ -361,6 +362,13 @@ def remove_stale_temp_files(paths: str | os.PathLike | Sequence[str | os.PathLik
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(folder / name)
                 logger.warning("removed %s, a temporary file left by a killed run", folder / name)
+
+
+def remove_stale_temp_files_in(folder: str | os.PathLike) -> None:
+    """Every temp file in `folder` whose writer died (see `remove_stale_temp_files`)."""
+    with contextlib.suppress(OSError):
+        found = [m.group(1).rpartition(".")[0] for m in map(_TEMP_RE.fullmatch, os.listdir(folder)) if m]
+        remove_stale_temp_files([Path(folder) / stem for stem in found if stem])
 
 
 def _temp_stem(name: str) -> str:

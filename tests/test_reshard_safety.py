@@ -24,7 +24,7 @@ from typing import Any, Iterator
 import pytest
 import torch
 
-from metaseq.file_io import atomic_torch_save, load_checkpoint
+from metaseq.file_io import atomic_torch_save, load_checkpoint, remove_stale_temp_files_in
 from metaseq.reshard import ReshardError, ReshardOptions, reshard
 from metaseq.reshard.verify import verify_reshard_outputs
 from metaseq.scripts.reshard_fsdp import main
@@ -134,6 +134,18 @@ def test_stale_temp_files_of_dead_writers_are_removed_and_live_ones_kept(tmp_pat
     assert not stale.exists() and not legacy.exists()
     assert live.exists() and unrelated.exists()
     assert sorted(p.name for p in out.glob("*.pt")) == ["shard0.pt", "shard1.pt"]
+
+
+def test_a_folders_temp_files_of_dead_writers_are_removed_whatever_their_name(tmp_path: Path) -> None:
+    """What training clears in --save-dir once its ranks are gone (stopped while saving)."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = [tmp_path / f".checkpoint_2-model_part-0-shard{i}.pt.{dead.pid}.abcd123{i}.tmp" for i in range(2)]
+    live = tmp_path / f".checkpoint_2-model_part-0-shard0.pt.{os.getppid()}.abcd1234.tmp"
+    for path in (*stale, live, tmp_path / "checkpoint_1-model_part-0-shard0.pt"):
+        path.write_bytes(b"partial")
+    remove_stale_temp_files_in(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, "checkpoint_1-model_part-0-shard0.pt"])
 
 
 def test_failed_save_keeps_the_previous_file_and_leaves_no_temp(tmp_path: Path) -> None:

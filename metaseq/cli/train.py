@@ -53,11 +53,12 @@ from metaseq.distributed.model_parallel import (
     shutdown_model_parallel,
 )
 from metaseq.errors import UserError, short_repr
-from metaseq.file_io import load_checkpoint, summarize_paths
+from metaseq.file_io import load_checkpoint, remove_stale_temp_files_in, summarize_paths
 from metaseq.models.model_parallel import check_model_parallel_sizes, vocab_parallel_loss_sum
 from metaseq.models.transformer_lm import ModelConfig, weights_mismatch
 from metaseq.reshard.schema import cfg_value
 from metaseq.tokenizer import PAD, VOCAB_SIZE
+from metaseq.torchzip import signals_held
 
 logger = logging.getLogger("metaseq.cli.train")
 
@@ -413,7 +414,11 @@ def launch(cfg: TrainConfig) -> None:
     """Start `cfg.world_size` ranks that rendezvous through a file in a temp dir."""
     with tempfile.TemporaryDirectory(prefix="metaseq-rdzv-") as tmp:
         init_method = "file://" + os.path.join(tmp, "rendezvous")
-        start_ranks(train_worker, (cfg, init_method), cfg.world_size)
+        try:
+            start_ranks(train_worker, (cfg, init_method), cfg.world_size)
+        finally:
+            with signals_held():  # ranks stopped while saving leave their temp files (their pids are gone now)
+                remove_stale_temp_files_in(cfg.save_dir)
 
 
 def make_save_dir(path: str) -> None:

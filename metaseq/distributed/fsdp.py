@@ -16,6 +16,7 @@ from fairscale.nn.data_parallel.fully_sharded_data_parallel import get_fsdp_inst
 from torch import nn
 
 from metaseq.distributed.cpu_compat import patch_fsdp_for_cpu
+from metaseq.torchzip import signals_held
 
 __all__ = [
     "fsdp_instances",
@@ -43,11 +44,12 @@ def start_ranks(fn: Callable[..., None], args: tuple[Any, ...], nprocs: int) -> 
         while not context.join():
             pass
     except BaseException as e:
-        for process in context.processes:
-            if process.is_alive():
-                process.terminate()
-        for process in context.processes:
-            process.join()
+        with signals_held():  # another Ctrl-C would leave them unreaped: their temp files would look in use
+            for process in context.processes:
+                if process.is_alive():
+                    process.terminate()
+            for process in context.processes:
+                process.join()
         first = _first_failure(context)
         if isinstance(e, mp.ProcessRaisedException) and first is not None:
             raise first from None

@@ -11,6 +11,7 @@ from typing import Iterator, Sequence
 
 from metaseq.file_io import file_in_the_way
 from metaseq.hf.errors import ConversionError
+from metaseq.torchzip import signals_held
 
 __all__ = ["MODEL_FOLDER_FILE", "TOKENIZER_FILE", "atomic_directory", "check_output_directory"]
 
@@ -75,7 +76,8 @@ def atomic_directory(path: str | os.PathLike, *, overwrite: bool, flag: str = "-
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it 0700
         _swap_into_place(tmp, path)
     except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
+        with signals_held():  # a second Ctrl-C would leave it half removed
+            shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, OSError):
             raise ConversionError(f"{flag} {path}: cannot write it ({e.strerror or e}); nothing was written; "
                                   "check the free space and permissions there") from None
@@ -98,7 +100,8 @@ def _swap_into_place(tmp: Path, path: Path) -> None:
         os.rename(old / path.name, path)  # put the old folder back
         old.rmdir()
         raise
-    shutil.rmtree(old, ignore_errors=True)
+    with signals_held():  # (a big file takes a while to unlink)
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _umask() -> int:
