@@ -1,5 +1,6 @@
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -62,3 +63,7 @@ def mp_runs(tmp_path_factory):
     }
     return {name: shared_run(tmp_path_factory, name, lambda save_dir, spec=spec: losses(
         run_train_mp(save_dir, max_update=MP_UPDATES, **spec))) for name, spec in specs.items()}
+
+
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # a background job's (`make test &`): the tests of Ctrl-C
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # send it to this process, as a terminal would
