@@ -19,7 +19,8 @@ from metaseq.errors import UserError, one_line_error
 
 __all__ = [
     "OneLineErrorParser", "add_bool_flag", "cli_logging", "non_negative_float", "non_negative_int", "one_line_error",
-    "REMOVED", "Terminated", "parse_bool", "positive_float", "positive_int", "run_cli", "sigterm_raises",
+    "REMOVED", "Terminated", "handlers_restored", "ignore_stops", "parse_bool", "positive_float", "positive_int",
+    "run_cli", "sigterm_raises", "stop_status",
 ]
 
 TRUE_WORDS = {"true", "1", "yes", "y", "on"}
@@ -88,7 +89,7 @@ def run_cli(
     only when the parser has `--quiet` and it is given) and return its exit status (None: 0),
     or 2 after reporting any error through `logger` as one line, without a traceback. SIGTERM
     (exit 2) and Ctrl-C (exit 130) are one line too, `stopped` appended (e.g. REMOVED)."""
-    with _handlers_restored(), cli_logging(level) as package_logger, sigterm_raises():
+    with handlers_restored(), cli_logging(level) as package_logger, sigterm_raises():
         try:
             args = parser.parse_args(argv)
             if getattr(args, "quiet", False):
@@ -99,16 +100,29 @@ def run_cli(
             logger.error("%s", one_line_error(err))
             return 2
         except (Terminated, KeyboardInterrupt) as stop:
-            for signum in (signal.SIGINT, signal.SIGTERM) if _in_main_thread() else ():  # another, while this one
-                signal.signal(signum, signal.SIG_IGN)  # is reported, would print a traceback
-            terminated = isinstance(stop, Terminated)
-            logger.error("%s%s", "terminated by SIGTERM" if terminated else "interrupted", stopped)
-            return 2 if terminated else 130
+            return stop_status(logger, stop, stopped)
+
+
+def stop_status(logger: logging.Logger, stop: BaseException, stopped: str = "") -> int:
+    """Report a Ctrl-C (KeyboardInterrupt) or SIGTERM (`Terminated`) as one line, `stopped` appended; returns the
+    exit status, 130 or 2. Further signals are ignored from here (see `ignore_stops`)."""
+    ignore_stops()
+    terminated = isinstance(stop, Terminated)
+    logger.error("%s%s", "terminated by SIGTERM" if terminated else "interrupted", stopped)
+    return 2 if terminated else 130
+
+
+def ignore_stops() -> None:
+    """Ignore SIGINT and SIGTERM from now on (in the main thread: elsewhere nothing): for a run that is stopping,
+    where another signal would print a traceback. `handlers_restored` (run_cli) puts the handlers back."""
+    for signum in (signal.SIGINT, signal.SIGTERM) if _in_main_thread() else ():
+        signal.signal(signum, signal.SIG_IGN)
 
 
 @contextlib.contextmanager
-def _handlers_restored() -> Iterator[None]:
-    """SIGINT's and SIGTERM's handlers as they were when the block started, put back when it ends."""
+def handlers_restored() -> Iterator[None]:
+    """SIGINT's and SIGTERM's handlers as they were when the block started, put back when it ends (a `main()` run
+    in-process, by a test or a notebook, leaves them as it found them)."""
     saved = [(s, signal.getsignal(s)) for s in (signal.SIGINT, signal.SIGTERM)] if _in_main_thread() else []
     try:
         yield

@@ -3,6 +3,7 @@ import io
 import os
 import pty
 import select
+import signal
 import subprocess
 import sys
 import time
@@ -153,6 +154,39 @@ def test_prompt_that_is_not_utf8_is_reported_and_the_rest_answered(memorized):
     assert proc.returncode == 1 and proc.stdout.decode() == "\n" + ANSWER + "\n"
     err = proc.stderr.decode().strip().splitlines()
     assert len(err) == 1 and "prompt 1 is not UTF-8 text" in err[0]
+
+
+def _stopped_while_waiting(served, *signals: int) -> tuple[int, str]:
+    """The CLI, piped, answers a question; then, waiting for the next line, gets `signals` one after the other.
+    Returns its exit status and stderr."""
+    proc = subprocess.Popen(_cli("--path", str(served)), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=_env(), cwd=REPO)
+    try:
+        proc.stdin.write(QUESTION + "\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline() == ANSWER + "\n"  # loaded, answered, reading stdin again
+        for signum in signals:
+            proc.send_signal(signum)
+        status = proc.wait(timeout=60)  # stdin stays open: only a signal ends it
+    finally:
+        proc.kill()
+        proc.stdin.close()
+    return status, proc.stderr.read()
+
+
+def test_sigterm_is_one_line_not_a_silent_kill(memorized):
+    status, err = _stopped_while_waiting(memorized[1], signal.SIGTERM)
+    assert status == 2, err
+    assert err.strip().splitlines()[-1] == "metaseq.cli.interactive_cli: ERROR: terminated by SIGTERM"
+    assert "Traceback" not in err
+
+
+def test_a_burst_of_ctrl_c_and_sigterm_ends_it_without_a_traceback(memorized):
+    status, err = _stopped_while_waiting(memorized[1], signal.SIGINT, signal.SIGINT, signal.SIGTERM, signal.SIGINT)
+    assert "Traceback" not in err, err
+    said = {130: "interrupted", 2: "terminated by SIGTERM"}  # the signals arrive together: either may be taken
+    assert status in said, err
+    assert err.count("ERROR") <= 1 and (f"ERROR: {said[status]}" in err or status == 130 and "ERROR" not in err)
 
 
 def test_help_does_not_call_stopping_past_newlines_the_default():

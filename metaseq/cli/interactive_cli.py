@@ -11,7 +11,8 @@ metaseq's cfg) also needs its GPT-2 BPE: `--vocab-filename gpt2-vocab.json
 --merges-filename gpt2-merges.txt`, or `--hf-tokenizer DIR`. Answers go to stdout, one line
 each (empty for a prompt that failed; with --no-stop-at-newline an answer keeps its newlines, so it
 may span lines); logs and errors go to stderr. Ctrl-D (EOF) exits; empty lines are
-ignored.
+ignored. Ctrl-C quits (status 130); SIGTERM, or Ctrl-C while the model loads, ends it with
+one error line (status 2 or 130), never a traceback.
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ import os
 import sys
 from typing import Iterator, TextIO
 
-from metaseq.cli_logging import OneLineErrorParser
+from metaseq.cli_logging import (OneLineErrorParser, Terminated, handlers_restored, ignore_stops, sigterm_raises,
+                                 stop_status)
 from metaseq.cli_start import run_as_main
 from metaseq.errors import UserError
 from metaseq.hf.tokenization import BPETokenizer, TextTokenizer
@@ -53,10 +55,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-stop-at-newline", dest="stop_at_newline", action="store_false", default=argparse.SUPPRESS,
                    help="continue past newlines (an answer stops at the first newline by default); stop only at EOS, "
                    "so an answer may span lines")
-    p.add_argument("--trust-checkpoint", action="store_true", help="let torch.load run the classes of legacy-format (non-zip) files; trusted files only")
-    p.add_argument("--vocab-filename", default=None, type=os.path.expanduser, help="real OPT: metaseq's GPT-2 BPE vocabulary (gpt2-vocab.json)")
-    p.add_argument("--merges-filename", default=None, type=os.path.expanduser, help="real OPT: the GPT-2 BPE merges (gpt2-merges.txt)")
-    p.add_argument("--hf-tokenizer", default=None, type=os.path.expanduser, metavar="DIR", help="a Hugging Face tokenizer folder (tokenizer.json)")
+    p.add_argument("--trust-checkpoint", action="store_true",
+                   help="let torch.load run the classes of legacy-format (non-zip) files; trusted files only")
+    p.add_argument("--vocab-filename", default=None, type=os.path.expanduser,
+                   help="real OPT: metaseq's GPT-2 BPE vocabulary (gpt2-vocab.json)")
+    p.add_argument("--merges-filename", default=None, type=os.path.expanduser,
+                   help="real OPT: the GPT-2 BPE merges (gpt2-merges.txt)")
+    p.add_argument("--hf-tokenizer", default=None, type=os.path.expanduser, metavar="DIR",
+                   help="a Hugging Face tokenizer folder (tokenizer.json)")
     p.add_argument("-v", "--verbose", action="store_true", help="log loading details to stderr")
     return p
 
@@ -160,7 +166,8 @@ def run(args: argparse.Namespace) -> int:
         _enable_line_editing()
     try:
         failures = answer_prompts(gen, cfg, read_prompts(sys.stdin, interactive=interactive), sys.stdout)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # at the prompt or while answering: the user quits
+        ignore_stops()
         print(file=sys.stderr)
         return 130
     except BrokenPipeError:  # e.g. `| head -1` closed stdout early; not an error
@@ -179,7 +186,11 @@ def main(argv: list[str] | None = None) -> int:
     saved = package.level, package.propagate
     handler = configure_logging(args.verbose)
     try:
-        return run(args)
+        with handlers_restored(), sigterm_raises():
+            try:
+                return run(args)
+            except (KeyboardInterrupt, Terminated) as stop:  # while loading, or SIGTERM: one line, no traceback
+                return stop_status(logger, stop)
     finally:
         package.removeHandler(handler)
         package.setLevel(saved[0])
