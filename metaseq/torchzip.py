@@ -512,11 +512,8 @@ def signals_held() -> Iterator[None]:
 def import_torch() -> Any:
     """torch, imported with the signals held (`signals_held`): torch's import swallows a KeyboardInterrupt, or what
     a SIGTERM handler raises, that arrives during it, and the run would go on."""
-    if "torch" not in sys.modules:
-        with signals_held():
-            import torch  # noqa: F401
-    import torch
-
+    with signals_held() if "torch" not in sys.modules else contextlib.nullcontext():
+        import torch
     return torch
 
 
