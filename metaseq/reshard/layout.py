@@ -387,8 +387,7 @@ def _param_dict(layout: ModelLayout, dicts: Sequence[Mapping[str, Any]], maps: S
                 spans.append(Span(layout.first + r, (*root, key_map[key]), 0, length))
         sources.append(Spans(spans))
         # A flat parameter that holds no parameters has no elements: any tensor's dtype.
-        tensor = dicts[0][spans[0].path[-1]] if spans else next(v for v in dicts[0].values() if is_tensor(v))
-        dtypes.append(tensor.dtype)
+        dtypes.append(first[0] if first else next(v.dtype for v in dicts[0].values() if is_tensor(v)))
     aliases = _aliases(dicts, maps, layout.flat_params, layout.unflattened, layout.ties)
     taken = ({n for fp in layout.flat_params for n in fp.names} | {dst for _, dst in layout.ties} if layout.unflattened
              else {fp.key for fp in layout.flat_params}) | {dst for _, dst in aliases}
