@@ -346,22 +346,21 @@ def _flat_lengths(models: Sequence[Mapping[str, Any]], metas: Sequence[ShardMeta
 
 
 def _check_consumed(fp: FlatParam, keeps: Sequence[int], labels: Sequence[str]) -> None:
-    """The unpadded lengths are FSDP's split of the parameters' (`shard_range`); else the error names the first
-    input whose length is not what the split gives it (if one is)."""
-    total = sum(keeps)
+    """The unpadded lengths are FSDP's split of the parameters' (`shard_range`, whose lengths add up to numel); else
+    the error names the first input whose length is not what the split gives it."""
     ranges = [shard_range(fp.numel, len(keeps), r) for r in range(len(keeps))]
     odd = next((r for r, (n, (a, b, _)) in enumerate(zip(keeps, ranges)) if n != b - a), None)
-    if odd is None and total == fp.numel:
+    if odd is None:
         return
+    total = sum(keeps)
     if total == fp.numel:  # lengths of the split, but not at their ranks' places
         raise ReshardError(f"{labels[odd]}: holds {keeps[odd]} elements of flat parameter '{fp.key}' but FSDP gives "
                            f"shard {odd} of {len(keeps)} {ranges[odd][1] - ranges[odd][0]}: the files are not in the "
                            "order of the ranks that saved them (renamed?); each shardK must be rank K's file")
     detail = (f"consumed {total} of {fp.numel} elements" if total < fp.numel else
               f"{total - fp.numel} elements left over after consuming all {fp.numel}")
-    suspect = "" if odd is None else f"{labels[odd]}: "
-    raise ReshardError(f"{suspect}flat parameter '{fp.key}': the shards hold {total} elements after removing padding "
-                       f"but shard_metadata numels add up to {fp.numel} ({detail}); {_COMPLETE}")
+    raise ReshardError(f"{labels[odd]}: flat parameter '{fp.key}': the shards hold {total} elements after removing "
+                       f"padding but shard_metadata numels add up to {fp.numel} ({detail}); {_COMPLETE}")
 
 
 def _param_dict(layout: ModelLayout, dicts: Sequence[Mapping[str, Any]], maps: Sequence[Mapping[str, str]],
