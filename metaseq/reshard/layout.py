@@ -10,11 +10,10 @@ parameter names plus `shard_metadata`, as `--unflatten-weights` writes). Tensors
 from __future__ import annotations
 
 import copy
-import dataclasses
 import functools
 import itertools
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Any, Iterator, Mapping, Sequence
 
 from metaseq.errors import ReshardError, short_repr
@@ -154,7 +153,7 @@ def analyze_model(shards: Sequence[Mapping[str, Any]], labels: Sequence[str], fi
                 raise ReshardError(f"{labels[0]}: {where}['{dst}'] is a tensor of its own, but model holds it as "
                                    f"'{src}' (tied in an instance with flatten_parameters=False); {where} must hold "
                                    "it as model does, one tensor under both names, to be resharded")
-    return dataclasses.replace(layout, dicts=tuple(dicts))
+    return replace(layout, dicts=tuple(dicts))
 
 
 def output_metadata(layout: ModelLayout, paddings: Sequence[int]) -> ShardMetadata:
@@ -217,7 +216,7 @@ def _check_same_params(ref: Sequence[FlatParam], other: Sequence[FlatParam], ref
                            f"{len(ref)}; the shards come from different models")
     for a, b in zip(ref, other):
         if a != b:
-            field = next(f.name for f in dataclasses.fields(FlatParam) if getattr(a, f.name) != getattr(b, f.name))
+            field = next(f.name for f in fields(FlatParam) if getattr(a, f.name) != getattr(b, f.name))
             theirs, ours = (short_repr(getattr(fp, field), 80) for fp in (b, a))
             raise ReshardError(f"{label}: shard_metadata disagrees with {ref_label} on the {field} of flat parameter "
                                f"'{a.key}' ({theirs} vs {ours}); the shards come from different models or runs")
