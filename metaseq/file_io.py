@@ -64,11 +64,11 @@ def find_shards(pattern: str, *, flag: str = "--input-glob-pattern") -> list[str
     one number that differs between the names (`out/s0.pt`, `out/s1.pt`, ...); one file is returned as it is."""
     paths = _glob_files(pattern, flag, every_part=False)
     parts = [model_part_number(p) for p in paths]
-    if len(set(parts)) > 1 and None in parts:
-        example = next(p for p, part in zip(paths, parts) if part is not None)
-        raise UserError(f"{paths[parts.index(None)]}: not a model part's shard like {example}; "
-                        f"narrow {flag} so that it matches only the shards")
     if len(set(parts)) > 1:
+        if None in parts:
+            example = next(p for p, part in zip(paths, parts) if part is not None)
+            raise UserError(f"{paths[parts.index(None)]}: not a model part's shard like {example}; "
+                            f"narrow {flag} so that it matches only the shards")
         every = (", or every part with '{j}' in both names: '...-model_part-{j}-shard*.pt' and "
                  "'...-model_part-{j}-shard{i}.pt'" if flag == "--input-glob-pattern" else "")  # the reshard tool's
         raise UserError(f"inputs mix model parts {sorted(set(parts))} ({summarize_paths(paths)}); name one model "
@@ -150,8 +150,7 @@ def _glob_files(pattern: str, flag: str, *, every_part: bool) -> list[str]:
 
 def _stem_hint(pattern: str, every_part: bool) -> str:
     """For the name of a save (`DIR/checkpoint_last.pt`, as training and inference take it): its shard files' glob."""
-    shards = [] if is_glob(pattern) else glob_files(shard_glob(pattern, "*"))
-    if not shards:
+    if is_glob(pattern) or not glob_files(shard_glob(pattern, "*")):
         return ""
     example = shard_glob(pattern, "*" if every_part else 0)
     return f"; it names a save, not its files: pass the shard files, e.g. {example!r}"

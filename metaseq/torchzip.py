@@ -443,12 +443,12 @@ class _Unpickler(pickle.Unpickler):
         return self._opaque(parent.module, f"{parent.qualname}.{rest[0]}")
 
     def persistent_load(self, pid: Any) -> Storage:
+        if isinstance(pid, tuple) and len(pid) == 5 and isinstance(pid[1], type) and issubclass(pid[1], Opaque):
+            where = self.source if isinstance(self.source, str) else "<in memory>"
+            raise CheckpointLoadError(f"{where}: holds tensors of torch.{pid[1].qualname} (complex, uint16-64, "
+                                      "float8 or quantized dtypes), which resharding does not support; convert "
+                                      "them first, e.g. with .float()")
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], _StorageTag)):
-            if isinstance(pid, tuple) and len(pid) == 5 and isinstance(pid[1], type) and issubclass(pid[1], Opaque):
-                where = self.source if isinstance(self.source, str) else "<in memory>"
-                raise CheckpointLoadError(f"{where}: holds tensors of torch.{pid[1].qualname} (complex, uint16-64, "
-                                          "float8 or quantized dtypes), which resharding does not support; convert "
-                                          "them first, e.g. with .float()")
             raise pickle.UnpicklingError(f"persistent id {pid!r:.60}")
         _, tag, key, _location, numel = pid  # location (e.g. cuda:0) dropped: cpu, as map_location="cpu" does
         if key not in self.storages:
@@ -512,11 +512,8 @@ def signals_held() -> Iterator[None]:
 def import_torch() -> Any:
     """torch, imported with the signals held (`signals_held`): torch's import swallows a KeyboardInterrupt, or what
     a SIGTERM handler raises, that arrives during it, and the run would go on."""
-    if "torch" not in sys.modules:
-        with signals_held():
-            import torch  # noqa: F401
-    import torch
-
+    with signals_held() if "torch" not in sys.modules else contextlib.nullcontext():
+        import torch
     return torch
 
 

@@ -10,11 +10,10 @@ parameter names plus `shard_metadata`, as `--unflatten-weights` writes). Tensors
 from __future__ import annotations
 
 import copy
-import dataclasses
 import functools
 import itertools
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Any, Iterator, Mapping, Sequence
 
 from metaseq.errors import ReshardError, short_repr
@@ -154,7 +153,7 @@ def analyze_model(shards: Sequence[Mapping[str, Any]], labels: Sequence[str], fi
                 raise ReshardError(f"{labels[0]}: {where}['{dst}'] is a tensor of its own, but model holds it as "
                                    f"'{src}' (tied in an instance with flatten_parameters=False); {where} must hold "
                                    "it as model does, one tensor under both names, to be resharded")
-    return dataclasses.replace(layout, dicts=tuple(dicts))
+    return replace(layout, dicts=tuple(dicts))
 
 
 def output_metadata(layout: ModelLayout, paddings: Sequence[int]) -> ShardMetadata:
@@ -217,7 +216,7 @@ def _check_same_params(ref: Sequence[FlatParam], other: Sequence[FlatParam], ref
                            f"{len(ref)}; the shards come from different models")
     for a, b in zip(ref, other):
         if a != b:
-            field = next(f.name for f in dataclasses.fields(FlatParam) if getattr(a, f.name) != getattr(b, f.name))
+            field = next(f.name for f in fields(FlatParam) if getattr(a, f.name) != getattr(b, f.name))
             theirs, ours = (short_repr(getattr(fp, field), 80) for fp in (b, a))
             raise ReshardError(f"{label}: shard_metadata disagrees with {ref_label} on the {field} of flat parameter "
                                f"'{a.key}' ({theirs} vs {ours}); the shards come from different models or runs")
@@ -346,22 +345,21 @@ def _flat_lengths(models: Sequence[Mapping[str, Any]], metas: Sequence[ShardMeta
 
 
 def _check_consumed(fp: FlatParam, keeps: Sequence[int], labels: Sequence[str]) -> None:
-    """The unpadded lengths are FSDP's split of the parameters' (`shard_range`); else the error names the first
-    input whose length is not what the split gives it (if one is)."""
-    total = sum(keeps)
+    """The unpadded lengths are FSDP's split of the parameters' (`shard_range`, whose lengths add up to numel); else
+    the error names the first input whose length is not what the split gives it."""
     ranges = [shard_range(fp.numel, len(keeps), r) for r in range(len(keeps))]
     odd = next((r for r, (n, (a, b, _)) in enumerate(zip(keeps, ranges)) if n != b - a), None)
-    if odd is None and total == fp.numel:
+    if odd is None:
         return
+    total = sum(keeps)
     if total == fp.numel:  # lengths of the split, but not at their ranks' places
         raise ReshardError(f"{labels[odd]}: holds {keeps[odd]} elements of flat parameter '{fp.key}' but FSDP gives "
                            f"shard {odd} of {len(keeps)} {ranges[odd][1] - ranges[odd][0]}: the files are not in the "
                            "order of the ranks that saved them (renamed?); each shardK must be rank K's file")
     detail = (f"consumed {total} of {fp.numel} elements" if total < fp.numel else
               f"{total - fp.numel} elements left over after consuming all {fp.numel}")
-    suspect = "" if odd is None else f"{labels[odd]}: "
-    raise ReshardError(f"{suspect}flat parameter '{fp.key}': the shards hold {total} elements after removing padding "
-                       f"but shard_metadata numels add up to {fp.numel} ({detail}); {_COMPLETE}")
+    raise ReshardError(f"{labels[odd]}: flat parameter '{fp.key}': the shards hold {total} elements after removing "
+                       f"padding but shard_metadata numels add up to {fp.numel} ({detail}); {_COMPLETE}")
 
 
 def _param_dict(layout: ModelLayout, dicts: Sequence[Mapping[str, Any]], maps: Sequence[Mapping[str, str]],
@@ -387,8 +385,7 @@ def _param_dict(layout: ModelLayout, dicts: Sequence[Mapping[str, Any]], maps: S
                 spans.append(Span(layout.first + r, (*root, key_map[key]), 0, length))
         sources.append(Spans(spans))
         # A flat parameter that holds no parameters has no elements: any tensor's dtype.
-        tensor = dicts[0][spans[0].path[-1]] if spans else next(v for v in dicts[0].values() if is_tensor(v))
-        dtypes.append(tensor.dtype)
+        dtypes.append(first[0] if first else next(v.dtype for v in dicts[0].values() if is_tensor(v)))
     aliases = _aliases(dicts, maps, layout.flat_params, layout.unflattened, layout.ties)
     taken = ({n for fp in layout.flat_params for n in fp.names} | {dst for _, dst in layout.ties} if layout.unflattened
              else {fp.key for fp in layout.flat_params}) | {dst for _, dst in aliases}

@@ -446,27 +446,32 @@ def assemble_output(plan: Plan, out: OutFile) -> dict[str, Any]:
     """Output `out`'s object: fresh compact tensors, every other top-level key from input 0 (of its model part when
     the parts stay as they are)."""
     source, options = out.source or plan.source, plan.options
+    model, first = source.model, plan.inputs[source.model.first]
     tensors = {t.path: tensor_ref(t, plan.inputs) for t in out.tensors}
     result: dict[str, Any] = {}
-    for key, value in plan.inputs[source.model.first].structure.items():
+    for key, value in first.structure.items():
         if key == "model":
-            result[key] = _assemble_dict(source.model, source.model.dicts[0], options, value, tensors)
+            result[key] = _assemble_dict(model, model.dicts[0], options, value, tensors)
         elif key == "shard_metadata":  # unflattened: one shard, no padding
-            cuts = output_cuts(source.model, False, options.num_output_shards, out.rank)
-            result[key] = output_metadata(source.model, [s.numel() - (end - start) for *_, start, end, s in cuts])
+            cuts = output_cuts(model, False, options.num_output_shards, out.rank)
+            result[key] = output_metadata(model, [s.numel() - (end - start) for *_, start, end, s in cuts])
         elif key == OPTIM and options.skip_optimizer_state:
             continue
         elif key == OPTIM and source.optim is not None and options.unflatten_weights:
-            result[key] = assemble_consolidated_optimizer(value, source.optim, source.model, tensors)
+            result[key] = assemble_consolidated_optimizer(value, source.optim, model, tensors)
         elif key == OPTIM and source.optim is not None:
-            result[key] = assemble_flat_optimizer(value, source.optim, source.model, tensors, out.rank)
+            result[key] = assemble_flat_optimizer(value, source.optim, model, tensors, out.rank)
         elif key == "extra_state" and isinstance(value, Mapping):
-            result[key] = _assemble_extra_state(source.model, options, value, tensors)
-            iterator = result[key].get("train_iterator")  # None with --drop-metaseq-req
-            if (out.rank or out.part) and plan.rank_zero_only and isinstance(iterator, Mapping):  # on output 0 alone
-                result[key] = {**result[key], "train_iterator": {**iterator, **dict.fromkeys(plan.rank_zero_only)}}
+            extra = result[key] = dict(value)
+            for held in model.dicts[1:]:  # the mirrors (EMA): cut like the model
+                extra[held.root[1]] = _assemble_dict(model, held, options, value[held.root[1]], tensors)
+            iterator = extra.get("train_iterator")
+            if options.drop_metaseq_req:
+                extra["train_iterator"] = None
+            elif (out.rank or out.part) and plan.rank_zero_only and isinstance(iterator, Mapping):  # on output 0 alone
+                extra["train_iterator"] = {**iterator, **dict.fromkeys(plan.rank_zero_only)}
         elif key == "cfg" and cfg_fields(value) is not None:
-            result[key] = _cfg_for_output(value, options, out, plan.inputs[source.model.first].path)
+            result[key] = _cfg_for_output(value, options, out, first.path)
         else:
             result[key] = value
     if options.drop_metaseq_req and result.get("extra_state") is None:
@@ -488,17 +493,6 @@ def _assemble_dict(model: ModelLayout, held: ParamDict, options: ReshardOptions,
         out[dst] = out[src]  # once, loaded as a tie
     for extra in held.extras:
         out[extra.key] = tensors[(*held.root, extra.key)] if extra.shape is not None else value0[extra.actual_key]
-    return out
-
-
-def _assemble_extra_state(model: ModelLayout, options: ReshardOptions, extra0: Mapping[str, Any],
-                          tensors: dict) -> dict[str, Any]:
-    """Input 0's extra_state with the mirrors (EMA) cut like the model; `--drop-metaseq-req` applied."""
-    out = dict(extra0)
-    for held in model.dicts[1:]:
-        out[held.root[1]] = _assemble_dict(model, held, options, extra0[held.root[1]], tensors)
-    if options.drop_metaseq_req:
-        out["train_iterator"] = None
     return out
 
 

@@ -105,7 +105,8 @@ def _write_and_verify(world: World, plans: Sequence[Plan], options: ReshardOptio
     progress = make_progress(sum(j.out.nbytes for j in mine), len(mine), quiet=options.quiet or world.rank != 0,
                              label=label)
     written: list[str] = []
-    folders = missing_folders([j.out.path for j in jobs])  # removed again if the run fails
+    planned = [j.out.path for j in jobs]
+    folders = missing_folders(planned)  # removed again if the run fails
     try:
         dist_run.agree(world, lambda: written.extend(write_outputs(mine, num_workers=workers, progress=progress,
                                                                    crc32=options.verify)))
@@ -113,7 +114,6 @@ def _write_and_verify(world: World, plans: Sequence[Plan], options: ReshardOptio
             for report in dist_run.agree(world, lambda: [verify_reshard_outputs(p) for p in shared]):
                 logger.info("%s", report)
     except BaseException as e:  # also what a killed rank left: its temp files, and (none were there before) outputs
-        planned = [j.out.path for j in jobs]
         mine_only = options.overwrite or world.size == 1  # else also a dead rank's (none were there before)
         remove_outputs(written if mine_only else planned, planned=planned, folders=folders)
         if world.size > 1 and isinstance(e, ReshardError):  # raised by `agree` on every rank alike
